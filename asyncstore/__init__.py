@@ -1,0 +1,84 @@
+"""asyncstore: asyncio-first storage and caching for ML training.
+
+Open a store by URL and move bytes::
+
+    import asyncstore
+
+    async with asyncstore.open_store("s3://bucket/datasets") as store:
+        await store.put("train/00001.jpg", data)
+        head = await store.get("train/00001.jpg", start=0, end=1024)
+"""
+
+from __future__ import annotations
+
+# errors
+from .errors import (
+    AsyncStoreError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidKey,
+    InvalidURL,
+    NotFound,
+    PermissionDenied,
+    StoreClosed,
+    StoreError,
+    StoreUnavailable,
+)
+
+# stores
+from .stores import (
+    LocalConfig,
+    LocalStore,
+    MemoryStore,
+    ObjectInfo,
+    Reader,
+    S3Config,
+    S3Store,
+    Store,
+    Writer,
+    open_store,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    # stores
+    "open_store",
+    "Store",
+    "ObjectInfo",
+    "Reader",
+    "Writer",
+    "MemoryStore",
+    "LocalStore",
+    "LocalConfig",
+    "S3Store",
+    "S3Config",
+    # errors
+    "AsyncStoreError",
+    "InvalidArgument",
+    "InvalidKey",
+    "InvalidURL",
+    "NotFound",
+    "PermissionDenied",
+    "StoreUnavailable",
+    "StoreError",
+    "StoreClosed",
+    "IntegrityError",
+]
+
+
+def _export() -> None:
+    # Show public names where users meet them (reprs, tracebacks, docs): asyncstore.S3Store,
+    # not asyncstore.stores.s3.S3Store. msgspec Structs keep their module: msgspec resolves
+    # their annotations in it.
+    import msgspec
+
+    for name in __all__:
+        obj = globals()[name]
+        if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+            continue
+        if getattr(obj, "__module__", "").startswith("asyncstore."):
+            obj.__module__ = "asyncstore"
+
+
+_export()

@@ -1,0 +1,94 @@
+"""The errors asyncstore raises.
+
+Every error derives from :class:`AsyncStoreError`. The categories below say what went wrong
+from the caller's point of view, so a handler can decide what to do without knowing which store
+or library was underneath: foreign exceptions (botocore, aiohttp, ``OSError``) are translated at
+the store boundary and kept as ``__cause__``.
+
+Messages name the URL and key and say what to do next; they never contain credentials.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsyncStoreError",
+    "InvalidArgument",
+    "InvalidKey",
+    "InvalidURL",
+    "NotFound",
+    "PermissionDenied",
+    "StoreUnavailable",
+    "StoreError",
+    "StoreClosed",
+    "IntegrityError",
+]
+
+
+class AsyncStoreError(Exception):
+    """The root of every error asyncstore raises; catch it to handle them all."""
+
+
+class InvalidArgument(AsyncStoreError, ValueError):
+    """Raised when a public entry point is given a value it cannot use.
+
+    The message names the parameter, the offending value and what is accepted. Also a
+    :class:`ValueError`, so code written against the standard library keeps working.
+    """
+
+
+class InvalidKey(InvalidArgument):
+    """Raised when a key is not a valid ``/``-separated relative path.
+
+    Empty keys, absolute paths, empty, ``.`` or ``..`` segments, NUL bytes, keys over 1024
+    UTF-8 bytes and segments reserved by asyncstore (``.asyncstore*``) are refused, for every
+    store alike, so a key that works in one store works in all of them and can never escape a
+    store's root.
+    """
+
+
+class InvalidURL(InvalidArgument):
+    """Raised by :func:`asyncstore.open_store` for a URL it cannot open.
+
+    For example an unknown scheme, an S3 URL without a bucket, a bucket name that is not a valid
+    DNS name, or credentials embedded in the URL.
+    """
+
+
+class NotFound(AsyncStoreError, FileNotFoundError):
+    """Raised when a key (or the bucket or directory holding it) does not exist.
+
+    Also a :class:`FileNotFoundError`, like the error ``open()`` raises for a missing file.
+    """
+
+
+class PermissionDenied(AsyncStoreError, PermissionError):
+    """Raised when the store refuses the operation: wrong or missing credentials, a policy that
+    denies access, or a file the process may not read or write."""
+
+
+class StoreUnavailable(AsyncStoreError):
+    """Raised when the store could not be reached, or kept failing, after every retry.
+
+    Connection errors, timeouts, throttling and server errors are retried with backoff first;
+    this error means the last attempt failed too. It names the URL, the number of attempts and
+    the last failure. Retrying later may succeed.
+    """
+
+
+class StoreError(AsyncStoreError):
+    """Raised when the store answers with an error that no other category describes.
+
+    For example a request the server rejects as malformed, or a local path that is a file where
+    a directory is needed. Retrying the same call will not help.
+    """
+
+
+class StoreClosed(AsyncStoreError):
+    """Raised when a store, reader or writer is used after it was closed."""
+
+
+class IntegrityError(AsyncStoreError):
+    """Raised when bytes do not match their checksum or a format is not what it claims to be.
+
+    The message names what failed (object, chunk, offset) and where it came from.
+    """

@@ -1,0 +1,506 @@
+"""The store contract: :class:`Store`, :class:`ObjectInfo`, readers and writers.
+
+Concrete stores subclass :class:`BaseStore`, which validates every argument once, here, and
+then calls the store's ``_get``/``_put``/… with clean values. That keeps the rules (key syntax,
+ranges, closed stores) identical across stores and out of each implementation.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Protocol, Self, runtime_checkable
+
+import anyio
+import msgspec
+
+from ..errors import InvalidArgument, StoreClosed
+from ._keys import check_key, check_prefix, check_range
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+"""Reader chunk size: 1 MiB amortises the per-chunk await and thread hop while keeping the
+memory a slow consumer pins small."""
+
+# Closing a writer (abort or commit) must finish even when the caller is being cancelled,
+# otherwise a cancelled save would leave a temp file or an open multipart upload behind. This
+# bounds how long that shielded cleanup may take.
+CLEANUP_TIMEOUT = 30.0
+
+
+class ObjectInfo(msgspec.Struct, frozen=True):
+    """What a store knows about one object.
+
+    Attributes:
+        key: the key relative to the store's root, as passed to :meth:`Store.get`.
+        size: the size in bytes.
+        etag: an opaque version tag that changes when the object is overwritten (S3's ETag, a
+            local file's inode, mtime and size, a hash for memory stores); ``None`` if unknown.
+        mtime: last modification, in seconds since the Unix epoch; ``None`` if unknown.
+    """
+
+    key: str
+    size: int
+    etag: str | None = None
+    mtime: float | None = None
+
+
+def as_buffer(data: object, where: str) -> memoryview:
+    """Return a flat byte view of ``data`` or raise :class:`InvalidArgument`.
+
+    Anything exposing the buffer protocol works (bytes, bytearray, memoryview, numpy arrays);
+    the view is cast to unsigned bytes so lengths are in bytes.
+    """
+    if isinstance(data, str):
+        raise InvalidArgument(
+            f"data for {where} is a str; stores hold bytes: encode it first, "
+            "for example data.encode('utf-8')"
+        )
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(
+            f"data for {where} is a {type(data).__name__}, which is not a bytes-like object; "
+            "pass bytes, bytearray, memoryview or another buffer"
+        ) from None
+    if not view.c_contiguous:
+        raise InvalidArgument(
+            f"data for {where} is a non-contiguous buffer; make it contiguous first "
+            "(for example bytes(data) or array.copy())"
+        )
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class Writer(Protocol):
+    """A streaming write to one key, returned by :meth:`Store.open_writer`.
+
+    Use it as an async context manager: the object appears under its key, complete, when the
+    block exits cleanly, and not at all if it raises or is cancelled.
+    """
+
+    @property
+    def key(self) -> str:
+        """The key being written."""
+        ...
+
+    @property
+    def bytes_written(self) -> int:
+        """How many bytes :meth:`write` has accepted so far."""
+        ...
+
+    @property
+    def info(self) -> ObjectInfo | None:
+        """The committed object's info after a clean exit, ``None`` before."""
+        ...
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``. The buffer may be reused by the caller once this returns."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class Reader(Protocol):
+    """A streaming read of one object, returned by :meth:`Store.open_reader`.
+
+    An async iterator of ``bytes`` chunks that never holds the whole object. Use it in an
+    ``async with`` block (or iterate it to the end) so that its connection or file is released
+    promptly if the loop stops early.
+    """
+
+    @property
+    def info(self) -> ObjectInfo | None:
+        """The object's info once the read has started, ``None`` before."""
+        ...
+
+    def __aiter__(self) -> Self: ...
+
+    async def __anext__(self) -> bytes: ...
+
+    async def aclose(self) -> None:
+        """Release the connection or file; further iteration raises :class:`StoreClosed`."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+@runtime_checkable
+class Store(Protocol):
+    """Bytes under keys: the interface every asyncstore store implements.
+
+    Keys are ``/``-separated paths relative to the store's root (the directory or bucket
+    prefix in its URL). Stores are async context managers; :meth:`aclose` releases their
+    connections. Open one with :func:`asyncstore.open_store`.
+    """
+
+    @property
+    def url(self) -> str:
+        """The store's root URL, without credentials."""
+        ...
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Return the object's bytes, or the range ``[start, end)`` of them.
+
+        The range follows Python slicing: it is clipped to the object, so a range past the end
+        returns fewer bytes (or ``b""``).
+
+        Raises:
+            NotFound: no object has this key.
+            InvalidKey: the key is malformed.
+            InvalidArgument: the range is negative or ``end < start``.
+            StoreUnavailable: the store failed after every retry.
+        """
+        ...
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        """Store ``data`` under ``key``, replacing any object there, atomically.
+
+        Readers see the old object or the new one, never a mix or a partial write.
+        """
+        ...
+
+    async def stat(self, key: str) -> ObjectInfo:
+        """Return the object's :class:`ObjectInfo`; raises :class:`NotFound` if it is missing."""
+        ...
+
+    async def delete(self, key: str) -> None:
+        """Delete the object. Deleting a missing key is not an error (as in S3)."""
+        ...
+
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """Yield every object whose key starts with ``prefix``, in lexicographic key order.
+
+        Pages are fetched as the iteration goes, so memory stays constant whatever the count.
+        """
+        ...
+
+    def open_writer(self, key: str) -> Writer:
+        """Return a :class:`Writer` that streams an object to ``key``; see :class:`Writer`."""
+        ...
+
+    def open_reader(self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Reader:
+        """Return a :class:`Reader` yielding the object in chunks of ``chunk_size`` bytes
+        (the last one shorter)."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the store's connections; using it afterwards raises :class:`StoreClosed`."""
+        ...
+
+    async def __aenter__(self) -> Self: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+class BaseStore(abc.ABC):
+    """Shared half of every store: argument checks, closing, context management."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url.rstrip("/")
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The store's root URL, without credentials."""
+        return self._url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._url!r})"
+
+    def where(self, key: str) -> str:
+        """The full URL of ``key``, for messages."""
+        return f"{self._url}/{key}"
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosed(f"{self._url} is closed; open a new store with open_store()")
+
+    # -- public API: validate, then delegate -------------------------------------------------
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """See :meth:`Store.get`."""
+        self._check_open()
+        key = check_key(key, self._url)
+        first, last = check_range(start, end, self.where(key))
+        return await self._get(key, first, last)
+
+    async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        """See :meth:`Store.put`."""
+        self._check_open()
+        key = check_key(key, self._url)
+        return await self._put(key, as_buffer(data, self.where(key)))
+
+    async def stat(self, key: str) -> ObjectInfo:
+        """See :meth:`Store.stat`."""
+        self._check_open()
+        return await self._stat(check_key(key, self._url))
+
+    async def delete(self, key: str) -> None:
+        """See :meth:`Store.delete`."""
+        self._check_open()
+        await self._delete(check_key(key, self._url))
+
+    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+        """See :meth:`Store.list`."""
+        self._check_open()
+        return self._list(check_prefix(prefix, self._url))
+
+    def open_writer(self, key: str) -> BaseWriter:
+        """See :meth:`Store.open_writer`."""
+        self._check_open()
+        return self._open_writer(check_key(key, self._url))
+
+    def open_reader(self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> BaseReader:
+        """See :meth:`Store.open_reader`."""
+        self._check_open()
+        key = check_key(key, self._url)
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+            raise InvalidArgument(
+                f"chunk_size={chunk_size!r} for {self.where(key)}: pass a positive number of "
+                "bytes, for example 1 << 20"
+            )
+        return self._open_reader(key, chunk_size)
+
+    async def aclose(self) -> None:
+        """See :meth:`Store.aclose`. Closing twice is harmless."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._aclose()
+
+    async def __aenter__(self) -> Self:
+        self._check_open()
+        await self._aopen()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- what each store implements ----------------------------------------------------------
+
+    async def _aopen(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Open connections eagerly; stores that open lazily need nothing here."""
+
+    async def _aclose(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release connections."""
+
+    @abc.abstractmethod
+    async def _get(self, key: str, start: int, end: int | None) -> bytes: ...
+
+    @abc.abstractmethod
+    async def _put(self, key: str, data: memoryview) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def _stat(self, key: str) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def _delete(self, key: str) -> None: ...
+
+    @abc.abstractmethod
+    def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+
+    @abc.abstractmethod
+    def _open_writer(self, key: str) -> BaseWriter: ...
+
+    @abc.abstractmethod
+    def _open_reader(self, key: str, chunk_size: int) -> BaseReader: ...
+
+
+class BaseWriter(abc.ABC):
+    """Shared half of every writer: state checks and commit-or-abort on exit."""
+
+    def __init__(self, store: BaseStore, key: str) -> None:
+        self._store = store
+        self._key = key
+        self._written = 0
+        self._state = "new"  # new -> open -> committed | aborted
+        self._info: ObjectInfo | None = None
+
+    @property
+    def key(self) -> str:
+        """The key being written."""
+        return self._key
+
+    @property
+    def bytes_written(self) -> int:
+        """How many bytes :meth:`write` has accepted so far."""
+        return self._written
+
+    @property
+    def info(self) -> ObjectInfo | None:
+        """The committed object's info after a clean exit, ``None`` before."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._store.where(self._key)} {self._state}>"
+
+    async def __aenter__(self) -> Self:
+        if self._state != "new":
+            raise StoreClosed(f"writer for {self._store.where(self._key)} was already used")
+        self._store._check_open()
+        self._state = "open"
+        await self._begin()
+        return self
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; the caller may reuse the buffer once this returns.
+
+        Raises:
+            StoreClosed: the writer is not open (use it inside ``async with``).
+        """
+        if self._state != "open":
+            raise StoreClosed(
+                f"writer for {self._store.where(self._key)} is {self._state}; "
+                "write inside its 'async with' block"
+            )
+        view = as_buffer(data, self._store.where(self._key))
+        if len(view):
+            await self._write(view)
+            self._written += len(view)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._state != "open":
+            return
+        if exc_type is None:
+            try:
+                self._info = await self._commit()
+            except BaseException:
+                self._state = "aborted"
+                await self._shielded_abort()
+                raise
+            self._state = "committed"
+        else:
+            self._state = "aborted"
+            await self._shielded_abort()
+
+    async def _shielded_abort(self) -> None:
+        # Shielded so that cancellation, the usual reason for an abort, cannot stop the
+        # cleanup halfway and leave a temp file or an unfinished multipart upload behind.
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT):
+            await self._abort()
+
+    async def _begin(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Prepare the write (open a temp file, …)."""
+
+    @abc.abstractmethod
+    async def _write(self, data: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    async def _commit(self) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def _abort(self) -> None:
+        """Remove every trace of the write; must not raise for an already-clean state."""
+
+
+class BaseReader(abc.ABC):
+    """Shared half of every reader: lazy open, iteration, idempotent close."""
+
+    def __init__(self, store: BaseStore, key: str, chunk_size: int) -> None:
+        self._store = store
+        self._key = key
+        self._chunk_size = chunk_size
+        self._state = "new"  # new -> open -> closed
+        self._info: ObjectInfo | None = None
+
+    @property
+    def info(self) -> ObjectInfo | None:
+        """The object's info once the read has started, ``None`` before."""
+        return self._info
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self._store.where(self._key)} {self._state}>"
+
+    async def _ensure_open(self) -> None:
+        if self._state == "new":
+            self._store._check_open()
+            self._info = await self._open()
+            self._state = "open"
+        elif self._state == "closed":
+            raise StoreClosed(f"reader for {self._store.where(self._key)} is closed")
+
+    async def __aenter__(self) -> Self:
+        await self._ensure_open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await self._ensure_open()
+        try:
+            chunk = await self._read(self._chunk_size)
+        except BaseException:
+            await self.aclose()
+            raise
+        if not chunk:
+            await self.aclose()
+            raise StopAsyncIteration
+        return chunk
+
+    async def aclose(self) -> None:
+        """Release the connection or file; closing twice is harmless."""
+        if self._state == "closed":
+            return
+        was_open = self._state == "open"
+        self._state = "closed"
+        if was_open:
+            with anyio.CancelScope(shield=True):
+                await self._close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") == "open":
+            warnings.warn(
+                f"reader for {self._store.where(self._key)} was not closed; use it in "
+                "'async with' or iterate it to the end",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    @abc.abstractmethod
+    async def _open(self) -> ObjectInfo: ...
+
+    @abc.abstractmethod
+    async def _read(self, size: int) -> bytes:
+        """Return up to ``size`` bytes (exactly ``size`` unless at the end), ``b""`` at the end."""
+
+    async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Release the file or connection."""

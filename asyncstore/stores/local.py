@@ -1,0 +1,417 @@
+"""``file:///abs/path`` (or a plain path): objects as files under a local directory.
+
+Every operation is one hop to a worker thread (a whole ``get`` or ``put`` is one hop, not one
+per read call), through a limiter owned by the store, so slow disks cannot exhaust the
+process's default thread pool. Writes go to a temporary file in the destination directory,
+are fsynced, then renamed over the key: readers see the old file or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import stat as statmod
+from collections.abc import AsyncIterator, Callable
+from typing import IO, TypeVar
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from ..errors import NotFound, PermissionDenied, StoreError
+from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
+from ._keys import RESERVED_PREFIX
+
+__all__ = ["LocalConfig", "LocalStore"]
+
+T = TypeVar("T")
+
+_TMP_PREFIX = f"{RESERVED_PREFIX}-tmp-"
+
+
+class LocalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Options of a local store (``open_store(path, **options)``)."""
+
+    max_concurrency: int = 16
+    """Worker threads doing file I/O at once. Local NVMe serves many requests in parallel; more
+    threads than this mostly add contention on 2-8 core data-loader hosts."""
+
+    fsync: bool = True
+    """Flush each object (and its directory entry) to stable storage before it becomes visible,
+    so a power loss cannot leave a zero-length or torn file under a key. Turn off only for
+    scratch data that may be lost."""
+
+
+def _etag(st: os.stat_result) -> str:
+    # Renaming a new file over the key changes the inode, so overwrites always change the tag
+    # even within one mtime tick.
+    return f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"
+
+
+class LocalStore(BaseStore):
+    """A store in a local directory; open it with ``open_store("file:///data")`` or a path.
+
+    The directory is created on the first write. Keys map to files below it; a key never reads
+    or writes outside it, symlinks included.
+    """
+
+    def __init__(self, root: str, config: LocalConfig | None = None) -> None:
+        root = os.path.abspath(root)
+        super().__init__(f"file://{root}")
+        self._root = root
+        self._config = config or LocalConfig()
+        self._limiter = anyio.CapacityLimiter(self._config.max_concurrency)
+
+    @property
+    def root(self) -> str:
+        """The absolute path of the store's directory."""
+        return self._root
+
+    @property
+    def config(self) -> LocalConfig:
+        """The store's options."""
+        return self._config
+
+    async def _run(self, func: Callable[..., T], *args: object) -> T:
+        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+
+    # -- paths ---------------------------------------------------------------------------------
+
+    def _inside(self, real: str) -> bool:
+        root = os.path.realpath(self._root)
+        return real == root or real.startswith(root + os.sep)
+
+    def _path_for_read(self, key: str) -> str:
+        path = os.path.join(self._root, key)
+        if not self._inside(os.path.realpath(path)):
+            raise PermissionDenied(
+                f"{self.where(key)} resolves outside the store's directory through a symlink; "
+                "asyncstore never reads outside a store's root"
+            )
+        return path
+
+    def _dir_for_write(self, key: str) -> str:
+        """Create the key's directory and return the key's path, checking it stays inside."""
+        path = os.path.join(self._root, key)
+        parent = os.path.dirname(path)
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise StoreError(
+                f"cannot write {self.where(key)}: a segment of its path is an object; a local "
+                "store cannot hold both 'a' and keys under 'a/'"
+            ) from None
+        if not self._inside(os.path.realpath(parent)):
+            raise PermissionDenied(
+                f"{self.where(key)} resolves outside the store's directory through a symlink; "
+                "asyncstore never writes outside a store's root"
+            )
+        if os.path.islink(path) and not self._inside(os.path.realpath(path)):
+            raise PermissionDenied(
+                f"{self.where(key)} is a symlink leading outside the store's directory; "
+                "asyncstore never writes outside a store's root"
+            )
+        return path
+
+    def _error(self, exc: OSError, key: str, doing: str) -> Exception:
+        where = self.where(key)
+        if isinstance(exc, FileNotFoundError | NotADirectoryError | IsADirectoryError):
+            return NotFound(f"{where} does not exist")
+        if isinstance(exc, PermissionError):
+            return PermissionDenied(f"cannot {doing} {where}: permission denied ({exc.strerror})")
+        if exc.errno == errno.ENOSPC:
+            return StoreError(f"cannot {doing} {where}: the disk is full; free space and retry")
+        if exc.errno == errno.EROFS:
+            return PermissionDenied(f"cannot {doing} {where}: the file system is read-only")
+        return StoreError(f"cannot {doing} {where}: {exc.strerror or exc}")
+
+    def _info(self, key: str, st: os.stat_result) -> ObjectInfo:
+        return ObjectInfo(key=key, size=st.st_size, etag=_etag(st), mtime=st.st_mtime)
+
+    # -- operations (each runs whole in one worker thread) ------------------------------------
+
+    def _get_sync(self, key: str, start: int, end: int | None) -> bytes:
+        with open(self._path_for_read(key), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            stop = size if end is None else min(end, size)
+            if start >= stop:
+                return b""
+            if start == 0 and stop == size:
+                return f.readall()
+            parts: list[bytes] = []
+            offset = start
+            while offset < stop:
+                # pread returns short only at end of file, which a concurrent truncate can move.
+                chunk = os.pread(f.fileno(), stop - offset, offset)
+                if not chunk:
+                    break
+                parts.append(chunk)
+                offset += len(chunk)
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _get(self, key: str, start: int, end: int | None) -> bytes:
+        try:
+            return await self._run(self._get_sync, key, start, end)
+        except OSError as exc:
+            raise self._error(exc, key, "read") from exc
+
+    def _put_sync(self, key: str, data: memoryview) -> ObjectInfo:
+        with _TempFile(self, key) as tmp:
+            tmp.file.write(data)
+            return tmp.commit()
+
+    async def _put(self, key: str, data: memoryview) -> ObjectInfo:
+        try:
+            return await self._run(self._put_sync, key, data)
+        except OSError as exc:
+            raise self._error(exc, key, "write") from exc
+
+    def _stat_sync(self, key: str) -> ObjectInfo:
+        st = os.stat(self._path_for_read(key))
+        if not statmod.S_ISREG(st.st_mode):
+            raise FileNotFoundError(errno.ENOENT, "not a file")
+        return self._info(key, st)
+
+    async def _stat(self, key: str) -> ObjectInfo:
+        try:
+            return await self._run(self._stat_sync, key)
+        except OSError as exc:
+            raise self._error(exc, key, "stat") from exc
+
+    def _delete_sync(self, key: str) -> None:
+        path = os.path.join(self._root, key)
+        if not self._inside(os.path.realpath(os.path.dirname(path))):
+            raise PermissionDenied(
+                f"{self.where(key)} resolves outside the store's directory through a symlink"
+            )
+        try:
+            os.unlink(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # deleting a missing key is not an error, as in S3
+        except IsADirectoryError:
+            return  # 'a' when only 'a/…' keys exist: there is no object 'a' to delete
+        # S3 has no directories: drop the ones this delete left empty, so listings and disk
+        # usage match. rmdir fails harmlessly on a non-empty or concurrently refilled one.
+        parent = os.path.dirname(path)
+        while parent != self._root and parent.startswith(self._root + os.sep):
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)
+
+    async def _delete(self, key: str) -> None:
+        try:
+            await self._run(self._delete_sync, key)
+        except OSError as exc:
+            raise self._error(exc, key, "delete") from exc
+
+    def _scan(self, rel_dir: str, name_prefix: str) -> list[tuple[str, bool, ObjectInfo | None]]:
+        """One directory's entries under ``name_prefix``, sorted as their keys sort.
+
+        A directory sorts as ``name + "/"``: its keys all start so, and that puts them in the
+        same place among the files as S3's lexicographic listing does.
+        """
+        directory = os.path.join(self._root, rel_dir) if rel_dir else self._root
+        out: list[tuple[str, bool, ObjectInfo | None]] = []
+        try:
+            entries = os.scandir(directory)
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        with entries:
+            for entry in entries:
+                name = entry.name
+                if not name.startswith(name_prefix) or name.startswith(RESERVED_PREFIX):
+                    continue
+                key = f"{rel_dir}/{name}" if rel_dir else name
+                try:
+                    if entry.is_symlink():
+                        # Follow a link only when it stays inside the root; never into a
+                        # directory, which could loop or duplicate keys.
+                        if not self._inside(os.path.realpath(entry.path)) or entry.is_dir():
+                            continue
+                    if entry.is_dir(follow_symlinks=False):
+                        out.append((name + "/", True, None))
+                    elif entry.is_file():
+                        out.append((name, False, self._info(key, entry.stat())))
+                except FileNotFoundError:
+                    continue  # deleted while listing
+        out.sort(key=lambda item: item[0])
+        return out
+
+    async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+        rel_dir, _, name_prefix = prefix.rpartition("/")
+        if rel_dir and not self._inside(os.path.realpath(os.path.join(self._root, rel_dir))):
+            return
+        # Depth-first over sorted directories: memory holds one listing per level, not the tree.
+        stack: list[tuple[str, list[tuple[str, bool, ObjectInfo | None]], int]] = []
+        try:
+            stack.append((rel_dir, await self._run(self._scan, rel_dir, name_prefix), 0))
+            while stack:
+                directory, entries, index = stack.pop()
+                if index >= len(entries):
+                    continue
+                stack.append((directory, entries, index + 1))
+                name, is_dir, info = entries[index]
+                if is_dir:
+                    sub = f"{directory}/{name[:-1]}" if directory else name[:-1]
+                    stack.append((sub, await self._run(self._scan, sub, ""), 0))
+                elif info is not None:
+                    yield info
+        except OSError as exc:
+            raise self._error(exc, prefix, "list") from exc
+
+    def _open_writer(self, key: str) -> BaseWriter:
+        return _LocalWriter(self, key)
+
+    def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
+        return _LocalReader(self, key, chunk_size)
+
+
+class _TempFile:
+    """A temporary file beside a key, renamed over it on :meth:`commit`, removed otherwise.
+
+    Used from worker threads only; every method blocks.
+    """
+
+    def __init__(self, store: LocalStore, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.path = ""
+        self.tmp = ""
+        self.file: IO[bytes]
+        self.done = False
+
+    def __enter__(self) -> _TempFile:
+        for _ in range(3):
+            self.path = self.store._dir_for_write(self.key)
+            directory, name = os.path.split(self.path)
+            # The name carries the target's name for whoever inspects a crashed directory, and
+            # the reserved prefix so no listing or key can ever see it.
+            self.tmp = os.path.join(
+                directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{name[:120]}"
+            )
+            try:
+                self.file = open(self.tmp, "xb", buffering=0)  # noqa: SIM115 - closed in commit/abort
+            except FileNotFoundError:
+                continue  # a concurrent delete removed the empty directory: create it again
+            return self
+        raise StoreError(f"cannot write {self.store.where(self.key)}: its directory keeps vanishing")
+
+    def commit(self) -> ObjectInfo:
+        fd = self.file.fileno()
+        if self.store.config.fsync:
+            os.fsync(fd)
+        st = os.fstat(fd)
+        self.file.close()
+        try:
+            os.rename(self.tmp, self.path)
+        except IsADirectoryError:
+            raise StoreError(
+                f"cannot write {self.store.where(self.key)}: keys under it exist, and a local "
+                "store cannot hold both 'a' and keys under 'a/'"
+            ) from None
+        self.done = True
+        if self.store.config.fsync:
+            # The rename is durable only once the directory entry is on disk too.
+            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        return self.store._info(self.key, st)
+
+    def abort(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        self.file.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.abort()
+
+
+class _LocalWriter(BaseWriter):
+    _store: LocalStore
+
+    def __init__(self, store: LocalStore, key: str) -> None:
+        super().__init__(store, key)
+        self._tmp: _TempFile | None = None
+
+    async def _begin(self) -> None:
+        try:
+            self._tmp = await self._store._run(_TempFile(self._store, self._key).__enter__)
+        except OSError as exc:
+            raise self._store._error(exc, self._key, "write") from exc
+
+    async def _write(self, data: memoryview) -> None:
+        assert self._tmp is not None
+        try:
+            await self._store._run(self._tmp.file.write, data)
+        except OSError as exc:
+            raise self._store._error(exc, self._key, "write") from exc
+
+    async def _commit(self) -> ObjectInfo:
+        assert self._tmp is not None
+        try:
+            return await self._store._run(self._tmp.commit)
+        except OSError as exc:
+            raise self._store._error(exc, self._key, "write") from exc
+
+    async def _abort(self) -> None:
+        if self._tmp is not None:
+            await self._store._run(self._tmp.abort)
+
+
+class _LocalReader(BaseReader):
+    _store: LocalStore
+
+    def __init__(self, store: LocalStore, key: str, chunk_size: int) -> None:
+        super().__init__(store, key, chunk_size)
+        self._file: IO[bytes] | None = None
+
+    def _open_sync(self) -> ObjectInfo:
+        f = open(self._store._path_for_read(self._key), "rb", buffering=0)  # noqa: SIM115
+        try:
+            st = os.fstat(f.fileno())
+            if not statmod.S_ISREG(st.st_mode):
+                raise FileNotFoundError(errno.ENOENT, "not a file")
+        except BaseException:
+            f.close()
+            raise
+        self._file = f
+        return self._store._info(self._key, st)
+
+    async def _open(self) -> ObjectInfo:
+        try:
+            return await self._store._run(self._open_sync)
+        except OSError as exc:
+            raise self._store._error(exc, self._key, "read") from exc
+
+    def _read_sync(self, size: int) -> bytes:
+        assert self._file is not None
+        parts: list[bytes] = []
+        remaining = size
+        while remaining:
+            chunk = self._file.read(remaining)
+            if not chunk:
+                break
+            parts.append(chunk)
+            remaining -= len(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _read(self, size: int) -> bytes:
+        try:
+            return await self._store._run(self._read_sync, size)
+        except OSError as exc:
+            raise self._store._error(exc, self._key, "read") from exc
+
+    async def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None

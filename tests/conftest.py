@@ -1,0 +1,101 @@
+"""Shared fixtures: the SeaweedFS server the session starts, and one store per kind."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncstore
+from asyncstore.stores import drop_memory_store
+from asyncstore.testing import SeaweedFS
+
+BUCKET = "asyncstore-tests"
+MiB = 1 << 20
+
+STORE_KINDS = ["memory", "local", "s3"]
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    # aiobotocore runs on asyncio only.
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    """One real S3 server for the whole session, on free loopback ports."""
+    server = SeaweedFS(data_dir=tmp_path_factory.mktemp("seaweedfs"))
+    server.start()
+    try:
+        server.create_bucket(BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:
+    """Options that reach ``server`` directly, with a small part size to exercise multipart."""
+    options: dict[str, Any] = {
+        "endpoint_url": server.endpoint_url,
+        "aws_access_key_id": server.access_key,
+        "aws_secret_access_key": server.secret_key,
+        "region": server.region,
+        "part_size": 5 * MiB,
+    }
+    options.update(overrides)
+    return options
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def store_url(kind: str, tmp_path: Path) -> str:
+    if kind == "memory":
+        return f"memory://{unique()}"
+    if kind == "local":
+        return str(tmp_path / "store")
+    return f"s3://{BUCKET}/{unique()}"
+
+
+@pytest.fixture(params=STORE_KINDS)
+def store_kind(request: pytest.FixtureRequest) -> str:
+    kind: str = request.param
+    return kind
+
+
+@pytest.fixture
+def open_kind(
+    request: pytest.FixtureRequest, store_kind: str, tmp_path: Path
+) -> Iterator[Any]:
+    """A factory ``open_kind(**options)`` opening a fresh store of the parametrized kind."""
+    opened: list[str] = []
+
+    def factory(url: str | None = None, **options: Any) -> asyncstore.Store:
+        url = url or store_url(store_kind, tmp_path)
+        if store_kind == "s3":
+            server: SeaweedFS = request.getfixturevalue("seaweedfs")
+            options = s3_options(server, **options)
+        opened.append(url)
+        return asyncstore.open_store(url, **options)
+
+    yield factory
+    for url in opened:
+        if url.startswith("memory://"):
+            drop_memory_store(url.removeprefix("memory://").split("/")[0])
+
+
+@pytest.fixture
+async def store(open_kind: Any) -> AsyncIterator[asyncstore.Store]:
+    """A fresh, empty store of each kind (memory, local directory, SeaweedFS)."""
+    async with open_kind() as opened:
+        yield opened
+
+
+def pytest_report_header() -> str:
+    return f"asyncstore {asyncstore.__version__}, {os.cpu_count()} CPUs"
