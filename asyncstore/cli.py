@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -40,14 +39,18 @@ async def _demo(url: str, count: int, size: int, concurrency: int) -> None:
         await asyncio.gather(*(put(i) for i in range(count)))
         elapsed = time.perf_counter() - started
         total = count * size
-        print(f"wrote   {count} objects of {size} bytes in {elapsed:.3f} s "
-              f"({count / elapsed:,.0f} objects/s, {total / elapsed / 1e6:,.1f} MB/s)")
+        print(
+            f"wrote   {count} objects of {size} bytes in {elapsed:.3f} s "
+            f"({count / elapsed:,.0f} objects/s, {total / elapsed / 1e6:,.1f} MB/s)"
+        )
 
         started = time.perf_counter()
         listed = [info async for info in store.list("demo/")]
         elapsed = time.perf_counter() - started
-        print(f"listed  {len(listed)} objects under demo/ in {elapsed:.3f} s "
-              f"(first {listed[0].key if listed else '-'}, last {listed[-1].key if listed else '-'})")
+        print(
+            f"listed  {len(listed)} objects under demo/ in {elapsed:.3f} s "
+            f"(first {listed[0].key if listed else '-'}, last {listed[-1].key if listed else '-'})"
+        )
 
         async def check(i: int) -> bool:
             async with limit:
@@ -56,8 +59,10 @@ async def _demo(url: str, count: int, size: int, concurrency: int) -> None:
         started = time.perf_counter()
         ok = sum(await asyncio.gather(*(check(i) for i in range(count))))
         elapsed = time.perf_counter() - started
-        print(f"read    {count} objects back in {elapsed:.3f} s "
-              f"({count / elapsed:,.0f} objects/s): {ok} of {count} byte-identical")
+        print(
+            f"read    {count} objects back in {elapsed:.3f} s "
+            f"({count / elapsed:,.0f} objects/s): {ok} of {count} byte-identical"
+        )
 
         head = await store.get("demo/sample-00000.bin", start=0, end=16)
         print(f"ranged  first 16 bytes of demo/sample-00000.bin: {head.hex()}")
@@ -79,12 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asyncstore", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="write, list and read back objects through a store")
-    demo.add_argument("--url", default=DEFAULT_DEMO_URL,
-                      help=f"store URL or local directory (default: {DEFAULT_DEMO_URL})")
+    demo.add_argument(
+        "--url",
+        default=DEFAULT_DEMO_URL,
+        help=f"store URL or local directory (default: {DEFAULT_DEMO_URL})",
+    )
     demo.add_argument("--objects", type=int, default=500, help="how many objects (default 500)")
     demo.add_argument("--size", type=int, default=50_000, help="bytes per object (default 50000)")
-    demo.add_argument("--concurrency", type=int, default=32,
-                      help="requests in flight (default 32)")
+    demo.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
     args = parser.parse_args(argv)
     if args.objects < 1 or args.size < 1 or args.concurrency < 1:
         parser.error("--objects, --size and --concurrency must be positive")

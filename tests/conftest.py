@@ -70,9 +70,7 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def open_kind(
-    request: pytest.FixtureRequest, store_kind: str, tmp_path: Path
-) -> Iterator[Any]:
+def open_kind(request: pytest.FixtureRequest, store_kind: str, tmp_path: Path) -> Iterator[Any]:
     """A factory ``open_kind(**options)`` opening a fresh store of the parametrized kind."""
     opened: list[str] = []
 

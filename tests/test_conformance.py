@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -124,21 +125,22 @@ async def test_list_paginates(store: asyncstore.Store) -> None:
 
 
 async def test_keys_are_relative_to_the_root(open_kind: Any) -> None:
-    async with open_kind() as outer:
-        async with open_kind(outer.url + "/inner") as inner:
-            await inner.put("k", b"inner")
-            await outer.put("k", b"outer")
-            assert await inner.get("k") == b"inner"
-            assert [i.key async for i in outer.list()] == ["inner/k", "k"]
-            assert [i.key async for i in inner.list()] == ["k"]
-            assert await outer.get("inner/k") == b"inner"
+    async with open_kind() as outer, open_kind(outer.url + "/inner") as inner:
+        await inner.put("k", b"inner")
+        await outer.put("k", b"outer")
+        assert await inner.get("k") == b"inner"
+        assert [i.key async for i in outer.list()] == ["inner/k", "k"]
+        assert [i.key async for i in inner.list()] == ["k"]
+        assert await outer.get("inner/k") == b"inner"
 
 
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(start=st.none() | st.integers(0, 3000), end=st.none() | st.integers(0, 3000))
-async def test_ranges_match_slicing(store: asyncstore.Store, start: int | None, end: int | None) -> None:
+async def test_ranges_match_slicing(
+    store: asyncstore.Store, start: int | None, end: int | None
+) -> None:
     data = bytes(range(256)) * 10  # 2560 bytes; ranges run past the end too
     await store.put("ranged", data)
     if start is not None and end is not None and end < start:
@@ -151,8 +153,14 @@ async def test_ranges_match_slicing(store: asyncstore.Store, start: int | None, 
 async def test_large_ranges_cross_parts(store: asyncstore.Store) -> None:
     data = os.urandom(17 * MiB + 3)
     await store.put("large", data)
-    for start, end in [(0, None), (MiB, 16 * MiB + 5), (5 * MiB - 1, 5 * MiB + 1),
-                       (11 * MiB, None), (0, 17 * MiB + 3), (17 * MiB, 18 * MiB)]:
+    for start, end in [
+        (0, None),
+        (MiB, 16 * MiB + 5),
+        (5 * MiB - 1, 5 * MiB + 1),
+        (11 * MiB, None),
+        (0, 17 * MiB + 3),
+        (17 * MiB, 18 * MiB),
+    ]:
         assert await store.get("large", start, end) == data[start:end], (start, end)
 
 
@@ -162,13 +170,26 @@ async def test_bad_ranges(store: asyncstore.Store, start: Any, end: Any) -> None
         await store.get("k", start, end)
 
 
-BAD_KEYS = ["", "/abs", "a//b", "a/", "../x", "a/../b", "a/./b", ".", "nul\x00", "k" * 1025,
-            ".asyncstore-tmp-x", "d/.asyncstore", "\udc80"]
+BAD_KEYS = [
+    "",
+    "/abs",
+    "a//b",
+    "a/",
+    "../x",
+    "a/../b",
+    "a/./b",
+    ".",
+    "nul\x00",
+    "k" * 1025,
+    ".asyncstore-tmp-x",
+    "d/.asyncstore",
+    "\udc80",
+]
 
 
 @pytest.mark.parametrize("key", BAD_KEYS)
 async def test_invalid_keys(store: asyncstore.Store, key: str) -> None:
-    calls = [
+    calls: list[Callable[[], Awaitable[object]]] = [
         lambda: store.get(key),
         lambda: store.put(key, b"x"),
         lambda: store.stat(key),

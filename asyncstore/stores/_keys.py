@@ -23,7 +23,9 @@ def check_key(key: object, where: str) -> str:
     ``where`` is the store's URL, used in the message.
     """
     if not isinstance(key, str):
-        raise InvalidKey(f"key {key!r} for {where} is a {type(key).__name__}, not a str; {_EXAMPLE}")
+        raise InvalidKey(
+            f"key {key!r} for {where} is a {type(key).__name__}, not a str; {_EXAMPLE}"
+        )
     if not key:
         raise InvalidKey(f"empty key for {where}; {_EXAMPLE}")
     reason = _problem(key)

@@ -53,6 +53,10 @@ async def with_retries(
             delay = backoff_delay(attempt, base_delay, max_delay)
             logger.debug(
                 "%s failed (attempt %d of %d: %s); retrying in %.3f s",
-                what, attempt, max_attempts, type(exc).__name__, delay,
+                what,
+                attempt,
+                max_attempts,
+                type(exc).__name__,
+                delay,
             )
             await anyio.sleep(delay)

@@ -8,18 +8,19 @@ are fsynced, then renamed over the key: readers see the old file or the new one,
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import stat as statmod
 from collections.abc import AsyncIterator, Callable
-from typing import IO, TypeVar
+from typing import IO, Annotated, TypeVar
 
 import anyio
 import anyio.to_thread
 import msgspec
 
-from ..errors import NotFound, PermissionDenied, StoreError
+from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import RESERVED_PREFIX
 
@@ -33,7 +34,7 @@ _TMP_PREFIX = f"{RESERVED_PREFIX}-tmp-"
 class LocalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Options of a local store (``open_store(path, **options)``)."""
 
-    max_concurrency: int = 16
+    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     """Worker threads doing file I/O at once. Local NVMe serves many requests in parallel; more
     threads than this mostly add contention on 2-8 core data-loader hosts."""
 
@@ -73,8 +74,14 @@ class LocalStore(BaseStore):
         """The store's options."""
         return self._config
 
-    async def _run(self, func: Callable[..., T], *args: object) -> T:
-        return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+    async def _run(self, key: str, doing: str, func: Callable[..., T], *args: object) -> T:
+        """Run ``func`` in a worker thread, translating ``OSError`` into asyncstore errors."""
+        try:
+            return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+        except AsyncStoreError:
+            raise  # already translated (PermissionDenied is an OSError too)
+        except OSError as exc:
+            raise self._error(exc, key, doing) from exc
 
     # -- paths ---------------------------------------------------------------------------------
 
@@ -151,10 +158,7 @@ class LocalStore(BaseStore):
             return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _get(self, key: str, start: int, end: int | None) -> bytes:
-        try:
-            return await self._run(self._get_sync, key, start, end)
-        except OSError as exc:
-            raise self._error(exc, key, "read") from exc
+        return await self._run(key, "read", self._get_sync, key, start, end)
 
     def _put_sync(self, key: str, data: memoryview) -> ObjectInfo:
         with _TempFile(self, key) as tmp:
@@ -162,10 +166,7 @@ class LocalStore(BaseStore):
             return tmp.commit()
 
     async def _put(self, key: str, data: memoryview) -> ObjectInfo:
-        try:
-            return await self._run(self._put_sync, key, data)
-        except OSError as exc:
-            raise self._error(exc, key, "write") from exc
+        return await self._run(key, "write", self._put_sync, key, data)
 
     def _stat_sync(self, key: str) -> ObjectInfo:
         st = os.stat(self._path_for_read(key))
@@ -174,10 +175,7 @@ class LocalStore(BaseStore):
         return self._info(key, st)
 
     async def _stat(self, key: str) -> ObjectInfo:
-        try:
-            return await self._run(self._stat_sync, key)
-        except OSError as exc:
-            raise self._error(exc, key, "stat") from exc
+        return await self._run(key, "stat", self._stat_sync, key)
 
     def _delete_sync(self, key: str) -> None:
         path = os.path.join(self._root, key)
@@ -202,10 +200,7 @@ class LocalStore(BaseStore):
             parent = os.path.dirname(parent)
 
     async def _delete(self, key: str) -> None:
-        try:
-            await self._run(self._delete_sync, key)
-        except OSError as exc:
-            raise self._error(exc, key, "delete") from exc
+        await self._run(key, "delete", self._delete_sync, key)
 
     def _scan(self, rel_dir: str, name_prefix: str) -> list[tuple[str, bool, ObjectInfo | None]]:
         """One directory's entries under ``name_prefix``, sorted as their keys sort.
@@ -215,6 +210,8 @@ class LocalStore(BaseStore):
         """
         directory = os.path.join(self._root, rel_dir) if rel_dir else self._root
         out: list[tuple[str, bool, ObjectInfo | None]] = []
+        if rel_dir and not self._inside(os.path.realpath(directory)):
+            return out  # a prefix through a symlink that leaves the root lists nothing
         try:
             entries = os.scandir(directory)
         except (FileNotFoundError, NotADirectoryError):
@@ -226,11 +223,12 @@ class LocalStore(BaseStore):
                     continue
                 key = f"{rel_dir}/{name}" if rel_dir else name
                 try:
-                    if entry.is_symlink():
-                        # Follow a link only when it stays inside the root; never into a
-                        # directory, which could loop or duplicate keys.
-                        if not self._inside(os.path.realpath(entry.path)) or entry.is_dir():
-                            continue
+                    # Follow a link only when it stays inside the root; never into a
+                    # directory, which could loop or duplicate keys.
+                    if entry.is_symlink() and (
+                        entry.is_dir() or not self._inside(os.path.realpath(entry.path))
+                    ):
+                        continue
                     if entry.is_dir(follow_symlinks=False):
                         out.append((name + "/", True, None))
                     elif entry.is_file():
@@ -242,25 +240,21 @@ class LocalStore(BaseStore):
 
     async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         rel_dir, _, name_prefix = prefix.rpartition("/")
-        if rel_dir and not self._inside(os.path.realpath(os.path.join(self._root, rel_dir))):
-            return
         # Depth-first over sorted directories: memory holds one listing per level, not the tree.
         stack: list[tuple[str, list[tuple[str, bool, ObjectInfo | None]], int]] = []
-        try:
-            stack.append((rel_dir, await self._run(self._scan, rel_dir, name_prefix), 0))
-            while stack:
-                directory, entries, index = stack.pop()
-                if index >= len(entries):
-                    continue
-                stack.append((directory, entries, index + 1))
-                name, is_dir, info = entries[index]
-                if is_dir:
-                    sub = f"{directory}/{name[:-1]}" if directory else name[:-1]
-                    stack.append((sub, await self._run(self._scan, sub, ""), 0))
-                elif info is not None:
-                    yield info
-        except OSError as exc:
-            raise self._error(exc, prefix, "list") from exc
+        first = await self._run(prefix, "list", self._scan, rel_dir, name_prefix)
+        stack.append((rel_dir, first, 0))
+        while stack:
+            directory, entries, index = stack.pop()
+            if index >= len(entries):
+                continue
+            stack.append((directory, entries, index + 1))
+            name, is_dir, info = entries[index]
+            if is_dir:
+                sub = f"{directory}/{name[:-1]}" if directory else name[:-1]
+                stack.append((sub, await self._run(prefix, "list", self._scan, sub, ""), 0))
+            elif info is not None:
+                yield info
 
     def _open_writer(self, key: str) -> BaseWriter:
         return _LocalWriter(self, key)
@@ -289,15 +283,15 @@ class _TempFile:
             directory, name = os.path.split(self.path)
             # The name carries the target's name for whoever inspects a crashed directory, and
             # the reserved prefix so no listing or key can ever see it.
-            self.tmp = os.path.join(
-                directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{name[:120]}"
-            )
+            self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{name[:120]}")
             try:
-                self.file = open(self.tmp, "xb", buffering=0)  # noqa: SIM115 - closed in commit/abort
+                self.file = open(self.tmp, "xb", buffering=0)
             except FileNotFoundError:
                 continue  # a concurrent delete removed the empty directory: create it again
             return self
-        raise StoreError(f"cannot write {self.store.where(self.key)}: its directory keeps vanishing")
+        raise StoreError(
+            f"cannot write {self.store.where(self.key)}: its directory keeps vanishing"
+        )
 
     def commit(self) -> ObjectInfo:
         fd = self.file.fileno()
@@ -327,10 +321,8 @@ class _TempFile:
             return
         self.done = True
         self.file.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.tmp)
-        except FileNotFoundError:
-            pass
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
@@ -344,28 +336,20 @@ class _LocalWriter(BaseWriter):
         self._tmp: _TempFile | None = None
 
     async def _begin(self) -> None:
-        try:
-            self._tmp = await self._store._run(_TempFile(self._store, self._key).__enter__)
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "write") from exc
+        tmp = _TempFile(self._store, self._key)
+        self._tmp = await self._store._run(self._key, "write", tmp.__enter__)
 
     async def _write(self, data: memoryview) -> None:
         assert self._tmp is not None
-        try:
-            await self._store._run(self._tmp.file.write, data)
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "write") from exc
+        await self._store._run(self._key, "write", self._tmp.file.write, data)
 
     async def _commit(self) -> ObjectInfo:
         assert self._tmp is not None
-        try:
-            return await self._store._run(self._tmp.commit)
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "write") from exc
+        return await self._store._run(self._key, "write", self._tmp.commit)
 
     async def _abort(self) -> None:
         if self._tmp is not None:
-            await self._store._run(self._tmp.abort)
+            await self._store._run(self._key, "clean up", self._tmp.abort)
 
 
 class _LocalReader(BaseReader):
@@ -388,10 +372,7 @@ class _LocalReader(BaseReader):
         return self._store._info(self._key, st)
 
     async def _open(self) -> ObjectInfo:
-        try:
-            return await self._store._run(self._open_sync)
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "read") from exc
+        return await self._store._run(self._key, "read", self._open_sync)
 
     def _read_sync(self, size: int) -> bytes:
         assert self._file is not None
@@ -406,10 +387,7 @@ class _LocalReader(BaseReader):
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def _read(self, size: int) -> bytes:
-        try:
-            return await self._store._run(self._read_sync, size)
-        except OSError as exc:
-            raise self._store._error(exc, self._key, "read") from exc
+        return await self._store._run(self._key, "read", self._read_sync, size)
 
     async def _close(self) -> None:
         if self._file is not None:

@@ -144,15 +144,28 @@ def _session(profile: str | None) -> Any:
 
 _RETRY_CODES = frozenset(
     {
-        "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-        "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "TooManyRequests",
-        "BadDigest", "IncompleteBody",
+        "SlowDown",
+        "Throttling",
+        "ThrottlingException",
+        "RequestTimeout",
+        "RequestTimeTooSkewed",
+        "InternalError",
+        "ServiceUnavailable",
+        "RequestLimitExceeded",
+        "TooManyRequests",
+        "BadDigest",
+        "IncompleteBody",
     }
 )
 _DENIED_CODES = frozenset(
     {
-        "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-        "InvalidToken", "AllAccessDisabled", "AccountProblem",
+        "AccessDenied",
+        "InvalidAccessKeyId",
+        "SignatureDoesNotMatch",
+        "ExpiredToken",
+        "InvalidToken",
+        "AllAccessDisabled",
+        "AccountProblem",
     }
 )
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
@@ -411,7 +424,13 @@ class S3Store(BaseStore):
             offsets = range(start + len(data), stop, part)
             pieces: list[bytes] = [b""] * len(offsets)
 
-            async def fetch(index: int, offset: int, etag: str | None = etag) -> None:
+            async def fetch(
+                index: int,
+                offset: int,
+                etag: str | None = etag,
+                stop: int = stop,
+                pieces: list[bytes] = pieces,
+            ) -> None:
                 piece, _, _ = await self._range(key, offset, min(offset + part, stop), etag)
                 pieces[index] = piece
 
@@ -667,7 +686,10 @@ class _S3Writer(BaseWriter):
             # The data is not visible under the key either way; say what to clean up.
             logger.warning(
                 "could not abort multipart upload %s of %s (%s); a bucket lifecycle rule for "
-                "incomplete uploads will remove it", upload_id, self._store.where(self._key), exc,
+                "incomplete uploads will remove it",
+                upload_id,
+                self._store.where(self._key),
+                exc,
             )
 
 

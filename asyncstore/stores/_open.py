@@ -1,0 +1,157 @@
+"""open_store(): from a URL to a store."""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, TypeVar
+from urllib.parse import unquote, urlsplit
+
+import msgspec
+
+from ..errors import InvalidArgument, InvalidURL
+from ._base import Store
+from ._keys import check_prefix
+from .local import LocalConfig, LocalStore
+from .memory import MemoryStore
+from .s3 import S3Config, S3Store
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+# S3 bucket naming rules: 3-63 characters of lower-case letters, digits, '.' and '-',
+# starting and ending with a letter or digit.
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_SCHEMES = "memory://NAME, file:///absolute/path (or a plain path) and s3://bucket/prefix"
+
+
+def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
+    """Open the store at ``url``; no I/O happens until the store is used.
+
+    Args:
+        url: ``memory://NAME[/prefix]``, ``file:///absolute/path``, a plain local path
+            (relative paths are taken from the current directory), or ``s3://bucket[/prefix]``.
+        **options: the store's options, checked at once: :class:`LocalConfig` fields for
+            local stores, :class:`S3Config` fields for S3 (``endpoint_url``, ``region``,
+            credentials, ``max_concurrency``, ``part_size``, ``max_attempts``, timeouts…).
+
+    Returns:
+        The store, an async context manager: use ``async with open_store(...) as store``.
+
+    Raises:
+        InvalidURL: the URL has an unknown scheme, no bucket, an invalid bucket name, embedded
+            credentials or a malformed path.
+        InvalidArgument: an option is unknown or has a bad value.
+
+    Example::
+
+        async with asyncstore.open_store("file:///tmp/data") as store:
+            await store.put("train/0.bin", b"...")
+    """
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str):
+        raise InvalidURL(
+            f"store URL {url!r} is a {type(url).__name__}; pass a str such as "
+            f"'s3://bucket/prefix' ({_SCHEMES})"
+        )
+    if not url:
+        raise InvalidURL(f"empty store URL; use {_SCHEMES}")
+    if "\x00" in url:
+        raise InvalidURL(f"store URL {_redact(url)!r} contains a NUL byte")
+    if "://" not in url:
+        return _local(os.path.abspath(url), options)
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    shown = _redact(url)
+    if parts.username is not None or parts.password is not None:
+        raise InvalidURL(
+            f"store URL {shown!r} embeds credentials; pass them as options "
+            "(aws_access_key_id=…, aws_secret_access_key=…) or through the environment"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidURL(f"store URL {shown!r} has a query or fragment; asyncstore uses neither")
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidURL(
+                f"file URL {shown!r} names host {parts.netloc!r}; local paths are "
+                "file:///absolute/path (three slashes)"
+            )
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise InvalidURL(f"file URL {shown!r} needs an absolute path: file:///absolute/path")
+        return _local(path, options)
+    if scheme == "memory":
+        name = parts.netloc
+        if not name:
+            raise InvalidURL(f"memory URL {shown!r} needs a name, for example memory://scratch")
+        prefix = _prefix(parts.path, shown)
+        if options:
+            raise InvalidArgument(
+                f"memory stores take no options; got {', '.join(sorted(options))} for {shown}"
+            )
+        return MemoryStore(name, prefix)
+    if scheme == "s3":
+        bucket = parts.netloc
+        if not bucket:
+            raise InvalidURL(f"S3 URL {shown!r} has no bucket; use s3://bucket/prefix")
+        if not _BUCKET.match(bucket) or ".." in bucket:
+            raise InvalidURL(
+                f"S3 URL {shown!r}: {bucket!r} is not a valid bucket name (3-63 characters: "
+                "lower-case letters, digits, '.' and '-', starting and ending with a letter or "
+                "digit)"
+            )
+        prefix = _prefix(parts.path, shown)
+        config = _config(S3Config, options, shown)
+        endpoint = config.endpoint_url
+        if endpoint is not None:
+            ep = urlsplit(endpoint)
+            if ep.scheme not in ("http", "https") or not ep.hostname:
+                raise InvalidURL(
+                    f"endpoint_url {_redact(endpoint)!r} for {shown} is not an http(s) URL; "
+                    "use for example http://127.0.0.1:8333"
+                )
+        return S3Store(bucket, prefix, config)
+    raise InvalidURL(f"unknown scheme {parts.scheme!r} in store URL {shown!r}; use {_SCHEMES}")
+
+
+def _local(path: str, options: dict[str, Any]) -> LocalStore:
+    config = _config(LocalConfig, options, f"file://{path}")
+    root = os.path.normpath(path)
+    if os.path.isfile(root):
+        raise InvalidURL(f"file://{root} is a file; a local store's root is a directory")
+    return LocalStore(root, config)
+
+
+def _prefix(path: str, shown: str) -> str:
+    prefix = path.strip("/")
+    if prefix:
+        try:
+            check_prefix(prefix + "/", shown)
+        except InvalidArgument as exc:
+            raise InvalidURL(f"store URL {shown!r} has a malformed path: {exc}") from None
+    return prefix
+
+
+def _config(cls: type[C], options: dict[str, Any], shown: str) -> C:
+    try:
+        return msgspec.convert(options, cls)
+    except msgspec.ValidationError as exc:
+        fields = ", ".join(cls.__struct_fields__)
+        # msgspec says "Expected `int` >= 1 - at `$.part_size`": add the value the caller gave.
+        match = re.search(r"at `\$\.(\w+)`", str(exc))
+        name = match.group(1) if match else None
+        given = f"{name}={options[name]!r}: " if name in options and "secret" not in name else ""
+        raise InvalidArgument(
+            f"bad option for {shown}: {given}{exc} (the options are: {fields})"
+        ) from None
+
+
+def _redact(url: str) -> str:
+    """``url`` without any user:password part, for messages."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{scheme}{sep}{netloc}{slash}{path}"

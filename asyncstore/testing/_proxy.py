@@ -1,0 +1,549 @@
+"""A fault-injecting HTTP/1.1 TCP proxy for exercising client retry and timeout paths."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http
+import logging
+import socket
+import struct
+import threading
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+_log = logging.getLogger("asyncstore.testing")
+
+_STREAM_LIMIT = 1 << 20  # longest request/response head or chunk-size line accepted
+_CHUNK = 1 << 16
+_ERROR_CODES = {429: "SlowDown", 500: "InternalError", 503: "ServiceUnavailable"}
+
+_Write = Callable[[bytes], Awaitable[None]]
+
+
+class _ResetNow(Exception):
+    """Raised by the response relay once the armed reset's byte budget is spent."""
+
+
+@dataclass
+class _Head:
+    """A parsed HTTP request or response head."""
+
+    raw: bytes
+    start_line: str
+    headers: dict[str, str]
+
+    @classmethod
+    def parse(cls, raw: bytes) -> _Head:
+        lines = raw.decode("latin-1").split("\r\n")
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if sep:
+                key = name.strip().lower()
+                # Repeated fields are equivalent to one comma-joined field (RFC 9110 5.3).
+                value = value.strip()
+                headers[key] = f"{headers[key]}, {value}" if key in headers else value
+        return cls(raw, lines[0], headers)
+
+    @property
+    def chunked(self) -> bool:
+        """Whether the body uses chunked transfer coding."""
+        return "chunked" in self.headers.get("transfer-encoding", "").lower()
+
+    @property
+    def content_length(self) -> int:
+        """The declared body length, 0 when absent."""
+        return int(self.headers.get("content-length", "0") or 0)
+
+
+async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
+    """Read one message head; None on a clean EOF before its first byte."""
+    try:
+        raw = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError as exc:
+        if exc.partial.strip():
+            raise ConnectionError("connection closed inside a message head") from exc
+        return None
+    return _Head.parse(raw)
+
+
+async def _copy_exact(reader: asyncio.StreamReader, write: _Write, size: int) -> None:
+    while size > 0:
+        data = await reader.read(min(size, _CHUNK))
+        if not data:
+            raise ConnectionError("connection closed inside a message body")
+        size -= len(data)
+        await write(data)
+
+
+async def _copy_chunked(reader: asyncio.StreamReader, write: _Write) -> None:
+    while True:
+        size_line = await reader.readuntil(b"\r\n")
+        await write(size_line)
+        size = int(size_line.split(b";", 1)[0].strip(), 16)
+        if size == 0:
+            break
+        await _copy_exact(reader, write, size + 2)  # chunk data plus its CRLF
+    while True:  # trailer fields, ended by an empty line
+        line = await reader.readuntil(b"\r\n")
+        await write(line)
+        if line == b"\r\n":
+            return
+
+
+async def _copy_body(reader: asyncio.StreamReader, write: _Write, head: _Head) -> None:
+    if head.chunked:
+        await _copy_chunked(reader, write)
+    else:
+        await _copy_exact(reader, write, head.content_length)
+
+
+async def _discard(_: bytes) -> None:
+    return None
+
+
+def _rst(writer: asyncio.StreamWriter) -> None:
+    """Close the connection with a TCP RST instead of an orderly FIN."""
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+def _error_response(status: int, request: _Head, request_id: str, close: bool) -> bytes:
+    try:
+        reason = http.HTTPStatus(status).phrase
+    except ValueError:
+        reason = "Injected Fault"
+    code = _ERROR_CODES.get(status, "InjectedFault")
+    body = (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        f"<Error><Code>{code}</Code><Message>Fault injected by asyncstore FaultProxy"
+        f"</Message><RequestId>{request_id}</RequestId></Error>"
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\n"
+        "Content-Type: application/xml\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"x-amz-request-id: {request_id}\r\n"
+        f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n"
+    ).encode()
+    # A response to HEAD announces the length but must not carry the body.
+    return head if request.start_line.startswith("HEAD ") else head + body
+
+
+class _Downstream:
+    """Writes to the client, raising :class:`_ResetNow` when an armed byte budget is spent."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.budget: int | None = None  # response bytes left before a reset; None: no reset
+
+    async def write(self, data: bytes) -> None:
+        if self.budget is not None:
+            data = data[: self.budget]
+            self.budget -= len(data)
+        if data:
+            self.writer.write(data)
+            await self.writer.drain()
+        if self.budget == 0:
+            raise _ResetNow
+
+
+@dataclass
+class _Pending:
+    """A forwarded request whose response has not been relayed completely yet."""
+
+    method: str
+    reset_after: int | None  # response bytes to pass before a reset; None: no reset
+
+
+class _Connection:
+    """State of one proxied client connection."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self.pending: deque[_Pending] = deque()
+        self.body_done = True
+        self.stalled = False
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def close(self) -> None:
+        self.writer.close()
+        if self.upstream is not None:
+            self.upstream[1].close()
+        for task in self.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+
+
+class FaultProxy:
+    """TCP proxy on 127.0.0.1 in front of an HTTP/1.1 server that injects faults on demand.
+
+    It parses request boundaries on each (keep-alive) client connection, so faults apply to
+    individual requests. The proxy runs its own event loop in a daemon thread, so it can be
+    driven from synchronous tests and from tests running any event loop. Faults and
+    ``latency`` (seconds to wait before forwarding each request upstream; injected errors
+    are not delayed) may be changed from any thread at any time; they apply to requests
+    whose head arrives afterwards. Precedence: stall, then fail, then reset.
+
+    Counters (plain ints, safe to read from any thread): ``connections`` (accepted client
+    connections, refused ones included), ``requests`` (request heads received),
+    ``requests_forwarded``, ``failed`` (error responses injected) and ``resets`` (connections
+    reset by :meth:`reset_next`).
+
+    Args:
+        upstream_host: host of the server to forward to.
+        upstream_port: port of the server to forward to.
+    """
+
+    connections: int
+    requests: int
+    requests_forwarded: int
+    failed: int
+    resets: int
+
+    def __init__(self, upstream_host: str, upstream_port: int) -> None:
+        self.upstream_host = upstream_host
+        self.upstream_port = upstream_port
+        self.port = 0
+        self.latency = 0.0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._server: asyncio.Server | None = None
+        self._conns: set[_Connection] = set()
+        self.reset()
+
+    @property
+    def url(self) -> str:
+        """Base URL of the proxy, ``http://127.0.0.1:<port>``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- fault control (any thread) -----------------------------------------------------
+
+    def fail_next(self, n: int, status: int = 503, match: str | None = None) -> None:
+        """Answer the next ``n`` requests (over all connections) with an S3-style error.
+
+        The request and its body are consumed but not forwarded; the connection stays
+        usable, unless the request has a body and expects ``100-continue``: it is then
+        answered at once and closed, since the client may or may not send the body (botocore
+        sends ``Expect: 100-continue`` on every PutObject and UploadPart). Replaces any
+        pending count.
+
+        Args:
+            n: number of requests to fail.
+            status: HTTP status to answer with (400-599). 500 carries error code
+                ``InternalError``, 503 ``ServiceUnavailable``, 429 ``SlowDown``.
+            match: fail only requests whose request line (method, path and query) contains
+                this text, e.g. ``"partNumber=2"``; others pass untouched and do not count.
+
+        Raises:
+            ValueError: if ``n`` is negative or ``status`` is not an error status.
+        """
+        if n < 0 or not 400 <= status <= 599:
+            raise ValueError(f"invalid fail_next(n={n}, status={status})")
+        with self._lock:
+            self._fail_left, self._fail_status, self._fail_match = n, status, match
+
+    def reset_next(self, n: int, after_bytes: int = 0) -> None:
+        """Forward the next ``n`` requests, then reset their connections with a TCP RST.
+
+        The reset happens once ``after_bytes`` bytes of the final response (interim ``100
+        Continue`` responses are passed on and not counted) have been passed to the client;
+        with 0 it happens when the first byte of the final response arrives, so the server
+        has processed the request but the client learns nothing of the outcome. A response
+        shorter than ``after_bytes`` is delivered whole, then the connection is reset.
+        Bytes already handed to the kernel may or may not reach the client. Replaces any
+        pending count.
+
+        Args:
+            n: number of requests whose connection is reset.
+            after_bytes: response bytes to pass through before the reset.
+
+        Raises:
+            ValueError: if ``n`` or ``after_bytes`` is negative.
+        """
+        if n < 0 or after_bytes < 0:
+            raise ValueError(f"invalid reset_next(n={n}, after_bytes={after_bytes})")
+        with self._lock:
+            self._reset_left, self._reset_after = n, after_bytes
+
+    def stall(self, on: bool) -> None:
+        """While on, read new requests but neither answer nor forward them.
+
+        Turning it off closes the connections of stalled requests rather than reviving them.
+
+        Args:
+            on: whether to stall.
+        """
+        with self._lock:
+            self._stall = on
+        if not on:
+            self._in_loop(lambda: self._close_conns(lambda c: c.stalled))
+
+    def refuse(self, on: bool) -> None:
+        """While on, close new connections at once (with a reset) and close existing ones.
+
+        Args:
+            on: whether to refuse connections.
+        """
+        with self._lock:
+            self._refuse = on
+        if on:
+            self._in_loop(lambda: self._close_conns(lambda c: True))
+
+    def reset(self) -> None:
+        """Clear all faults and latency and zero the counters.
+
+        Connections of stalled requests are closed, as with ``stall(False)``.
+        """
+        with self._lock:
+            self.latency = 0.0
+            self._fail_left, self._fail_status, self._fail_match = 0, 503, None
+            self._reset_left, self._reset_after = 0, 0
+            self._stall = self._refuse = False
+            self.connections = self.requests = self.requests_forwarded = 0
+            self.failed = self.resets = 0
+        self._in_loop(lambda: self._close_conns(lambda c: c.stalled))
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start listening on a free 127.0.0.1 port (see ``port``); no-op when running.
+
+        After :meth:`stop`, starting again listens on the same port as before.
+
+        Raises:
+            OSError: if the listening socket cannot be created.
+        """
+        if self._thread is not None:
+            return
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        self._thread = threading.Thread(target=loop.run_forever, name="FaultProxy", daemon=True)
+        self._thread.start()
+        try:
+            self._run(self._listen(), timeout=10.0)
+        except BaseException:
+            self.stop()
+            raise
+        _log.info("FaultProxy %s -> %s:%d", self.url, self.upstream_host, self.upstream_port)
+
+    def stop(self) -> None:
+        """Close the listener and every connection, and stop the proxy's thread."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        try:
+            self._run(self._shutdown(), timeout=5.0)
+        except Exception:
+            _log.exception("FaultProxy shutdown failed")
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5.0)
+        if not thread.is_alive():
+            loop.close()
+        self._loop = None
+        self._thread = None
+
+    def __enter__(self) -> FaultProxy:
+        """Start the proxy (see :meth:`start`) and return it."""
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Stop the proxy (see :meth:`stop`)."""
+        self.stop()
+
+    def _run(self, coro: Coroutine[Any, Any, None], timeout: float) -> None:
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def _in_loop(self, fn: Callable[[], None]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(fn)
+
+    def _close_conns(self, which: Callable[[_Connection], bool]) -> None:
+        for conn in list(self._conns):
+            if which(conn):
+                conn.close()
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(
+            self._serve, "127.0.0.1", self.port, limit=_STREAM_LIMIT, reuse_address=True
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def _shutdown(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        self._close_conns(lambda c: True)
+        # Includes handlers of just-accepted connections that are not registered yet.
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None
+
+    # -- per-connection work (event loop thread) ----------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with self._lock:
+            self.connections += 1
+            refuse = self._refuse
+        if refuse:
+            _rst(writer)
+            return
+        conn = _Connection(reader, writer)
+        task = asyncio.current_task()
+        assert task is not None
+        conn.tasks.add(task)
+        self._conns.add(conn)
+        try:
+            await self._serve_requests(conn)
+        except asyncio.CancelledError:
+            # Python 3.11's start_server logs a cancelled connection handler as an error, and
+            # cancellation (by close or stop) is the normal end of a stalled request.
+            pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, OSError) as exc:  # fmt: skip
+            _log.debug("FaultProxy connection ended: %r", exc)
+        finally:
+            self._conns.discard(conn)
+            conn.close()
+
+    async def _serve_requests(self, conn: _Connection) -> None:
+        while (head := await _read_head(conn.reader)) is not None:
+            # The client waits for "100 Continue" before sending a body, or may give up
+            # waiting and send it anyway, so an unforwarded body has no reliable end.
+            expect_continue = "100-continue" in head.headers.get("expect", "").lower() and (
+                head.chunked or head.content_length > 0
+            )
+            with self._lock:
+                self.requests += 1
+                action, status, reset_after = "forward", 0, None
+                if self._stall:
+                    action = "stall"
+                elif self._fail_left > 0 and (
+                    self._fail_match is None or self._fail_match in head.start_line
+                ):
+                    self._fail_left -= 1
+                    self.failed += 1
+                    action, status = "fail", self._fail_status
+                elif self._reset_left > 0:
+                    self._reset_left -= 1
+                    reset_after = self._reset_after
+            if action == "stall":
+                conn.stalled = True
+                if not expect_continue:
+                    await _copy_body(conn.reader, _discard, head)
+                await asyncio.Event().wait()  # until stall(False), refuse() or stop() cancels
+            elif action == "fail":
+                if not expect_continue:
+                    await _copy_body(conn.reader, _discard, head)
+                with self._lock:
+                    request_id = f"asyncstore-fault-{self.failed}"
+                conn.writer.write(_error_response(status, head, request_id, expect_continue))
+                await conn.writer.drain()
+                if expect_continue:
+                    return
+            else:
+                if self.latency > 0:
+                    await asyncio.sleep(self.latency)
+                await self._forward(conn, head, reset_after)
+
+    async def _forward(self, conn: _Connection, head: _Head, reset_after: int | None) -> None:
+        if conn.upstream is None:
+            # Opened lazily so that injected errors never leave an upstream exchange half done.
+            conn.upstream = await asyncio.open_connection(
+                self.upstream_host, self.upstream_port, limit=_STREAM_LIMIT
+            )
+            relay = asyncio.create_task(self._relay_responses(conn))
+            conn.tasks.add(relay)
+        up_writer = conn.upstream[1]
+
+        async def write_up(data: bytes) -> None:
+            up_writer.write(data)
+            await up_writer.drain()
+
+        with self._lock:
+            self.requests_forwarded += 1
+        # Registered before the head goes out, so the relay always finds it.
+        conn.pending.append(_Pending(head.start_line.split(" ", 1)[0].upper(), reset_after))
+        conn.body_done = False
+        await write_up(head.raw)
+        await _copy_body(conn.reader, write_up, head)
+        conn.body_done = True
+
+    async def _relay_responses(self, conn: _Connection) -> None:
+        """Pass upstream responses to the client until either side closes or a reset is due."""
+        down = _Downstream(conn.writer)
+        try:
+            reset = await self._relay_loop(conn, down)
+        except _ResetNow:
+            reset = True
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
+                ValueError, IndexError, OSError) as exc:  # fmt: skip
+            _log.debug("FaultProxy upstream relay ended: %r", exc)
+            reset = down.budget is not None
+        # Upstream closing while a reset is armed still ends in a reset, as promised.
+        if reset or any(p.reset_after is not None for p in conn.pending):
+            await self._reset_client(conn)
+        else:
+            conn.close()
+
+    async def _relay_loop(self, conn: _Connection, down: _Downstream) -> bool:
+        """Relay responses one by one; return whether the client connection must be reset."""
+        assert conn.upstream is not None
+        up_reader = conn.upstream[0]
+        while (head := await _read_head(up_reader)) is not None:
+            request = conn.pending[0] if conn.pending else _Pending("GET", None)
+            status = int(head.start_line.split(" ", 2)[1])
+            if 100 <= status < 200:
+                # Interim responses pass outside the byte budget, so a reset with a small
+                # budget still lets the request body reach the server.
+                conn.writer.write(head.raw)
+                await conn.writer.drain()
+                continue
+            down.budget = request.reset_after
+            await down.write(head.raw)
+            if conn.pending:
+                conn.pending.popleft()
+            if request.method == "HEAD" or status in (204, 304):
+                pass
+            elif head.chunked or "content-length" in head.headers:
+                await _copy_body(up_reader, down.write, head)
+            else:
+                while data := await up_reader.read(_CHUNK):  # body runs until EOF
+                    await down.write(data)
+                return down.budget is not None
+            if down.budget is not None:
+                return True  # the whole response fitted in the byte budget
+            if not conn.body_done:
+                return False  # answered before the client sent its whole body; cannot resync
+        return down.budget is not None
+
+    async def _reset_client(self, conn: _Connection) -> None:
+        # Flush asyncio's buffer first: an RST discards whatever has not reached the kernel.
+        conn.writer.transport.set_write_buffer_limits(high=0)
+        with contextlib.suppress(ConnectionError):
+            await conn.writer.drain()
+        with self._lock:
+            self.resets += 1
+        _rst(conn.writer)
+        conn.close()

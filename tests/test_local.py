@@ -1,0 +1,130 @@
+"""What only a local directory store has to get right: symlinks, temp files, directories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asyncstore
+from asyncstore import NotFound, PermissionDenied, StoreError
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+async def local(tmp_path: Path) -> asyncstore.LocalStore:
+    store = asyncstore.open_store(tmp_path / "root")
+    assert isinstance(store, asyncstore.LocalStore)
+    return store
+
+
+async def test_files_land_under_the_root(local: asyncstore.LocalStore) -> None:
+    await local.put("a/b/c.bin", b"data")
+    assert (Path(local.root) / "a" / "b" / "c.bin").read_bytes() == b"data"
+
+
+async def test_symlink_out_of_the_root_is_refused(
+    local: asyncstore.LocalStore, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    root = Path(local.root)
+    root.mkdir()
+    (root / "link").symlink_to(outside, target_is_directory=True)
+    (root / "filelink").symlink_to(outside / "secret")
+    with pytest.raises(PermissionDenied, match="outside"):
+        await local.get("link/secret")
+    with pytest.raises(PermissionDenied, match="outside"):
+        await local.get("filelink")
+    with pytest.raises(PermissionDenied, match="outside"):
+        await local.put("link/new", b"x")
+    with pytest.raises(PermissionDenied, match="outside"):
+        await local.put("filelink", b"x")
+    with pytest.raises(PermissionDenied):
+        async with local.open_writer("link/streamed") as writer:
+            await writer.write(b"x")
+    with pytest.raises(PermissionDenied):
+        await local.delete("link/secret")
+    assert sorted(os.listdir(outside)) == ["secret"]
+    assert (outside / "secret").read_bytes() == b"secret"
+    assert [i.key async for i in local.list()] == []
+    assert [i.key async for i in local.list("link/")] == []
+
+
+async def test_symlink_inside_the_root_is_followed(local: asyncstore.LocalStore) -> None:
+    await local.put("real/file", b"payload")
+    (Path(local.root) / "alias").symlink_to(Path(local.root) / "real" / "file")
+    assert await local.get("alias") == b"payload"
+    assert [i.key async for i in local.list()] == ["alias", "real/file"]
+
+
+async def test_temp_files_are_invisible(local: asyncstore.LocalStore) -> None:
+    async with local.open_writer("dir/obj") as writer:
+        await writer.write(b"partial")
+        names = os.listdir(Path(local.root) / "dir")
+        assert len(names) == 1
+        assert names[0].startswith(".asyncstore")
+        assert [i.key async for i in local.list()] == []
+        with pytest.raises(NotFound):
+            await local.get("dir/obj")
+    assert os.listdir(Path(local.root) / "dir") == ["obj"]
+
+
+async def test_stale_temp_file_from_a_crash_is_not_listed(local: asyncstore.LocalStore) -> None:
+    await local.put("k", b"v")
+    (Path(local.root) / ".asyncstore-tmp-deadbeef-k").write_bytes(b"torn")
+    assert [i.key async for i in local.list()] == ["k"]
+    assert await local.get("k") == b"v"
+
+
+async def test_delete_prunes_empty_directories(local: asyncstore.LocalStore) -> None:
+    await local.put("a/b/c/d", b"1")
+    await local.put("a/keep", b"2")
+    await local.delete("a/b/c/d")
+    assert sorted(os.listdir(Path(local.root) / "a")) == ["keep"]
+    await local.delete("a/keep")
+    assert os.listdir(local.root) == []
+    assert os.path.isdir(local.root)
+
+
+async def test_object_and_prefix_conflict(local: asyncstore.LocalStore) -> None:
+    await local.put("a", b"file")
+    with pytest.raises(StoreError, match="cannot hold both"):
+        await local.put("a/b", b"x")
+    await local.put("d/e", b"x")
+    with pytest.raises(StoreError, match="cannot hold both"):
+        await local.put("d", b"x")
+    with pytest.raises(NotFound):
+        await local.get("d")  # a directory is not an object
+    with pytest.raises(NotFound):
+        await local.stat("d")
+
+
+async def test_get_of_missing_root(tmp_path: Path) -> None:
+    async with asyncstore.open_store(tmp_path / "absent") as store:
+        with pytest.raises(NotFound):
+            await store.get("k")
+        assert [i async for i in store.list()] == []
+
+
+async def test_put_without_fsync(tmp_path: Path) -> None:
+    async with asyncstore.open_store(tmp_path / "r", fsync=False) as store:
+        await store.put("k", b"v")
+        assert await store.get("k") == b"v"
+
+
+async def test_concurrent_writers_of_one_key(local: asyncstore.LocalStore) -> None:
+    payloads = [bytes([i]) * 100_000 for i in range(16)]
+
+    async def write(data: bytes) -> None:
+        await local.put("same", data)
+
+    async with anyio.create_task_group() as tg:
+        for data in payloads:
+            tg.start_soon(write, data)
+    assert await local.get("same") in payloads
+    assert os.listdir(local.root) == ["same"]  # no temp file left behind
