@@ -35,7 +35,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
         server.create_bucket(BUCKET)
         yield server
     finally:
-        server.stop()
+        server.stop(timeout=2.0)
 
 
 def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:

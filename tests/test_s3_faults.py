@@ -156,14 +156,14 @@ async def test_stopped_server_fails_fast(tmp_path: Path) -> None:
         options = s3_options(server, **FAST)
         async with asyncstore.open_store("s3://doomed/x", **options) as store:
             await store.put("k", b"v")
-            server.stop()
+            server.stop(timeout=2.0)
             started = time.monotonic()
             with pytest.raises(StoreUnavailable, match="reachable"):
                 await store.get("k")
             # Refused connections are retried with backoff, then reported: no hang.
             assert time.monotonic() - started < 15
     finally:
-        server.stop()
+        server.stop(timeout=2.0)
 
 
 async def test_writer_failing_mid_stream_leaves_nothing(
