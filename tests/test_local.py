@@ -128,3 +128,42 @@ async def test_concurrent_writers_of_one_key(local: asyncstore.LocalStore) -> No
             tg.start_soon(write, data)
     assert await local.get("same") in payloads
     assert os.listdir(local.root) == ["same"]  # no temp file left behind
+
+
+async def test_symlink_escape_creates_nothing_outside(
+    local: asyncstore.LocalStore, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    Path(local.root).mkdir()
+    (Path(local.root) / "link").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(PermissionDenied):
+        await local.put("link/new/deeper/x", b"x")
+    assert list(outside.iterdir()) == []
+
+
+async def test_long_non_ascii_names(local: asyncstore.LocalStore) -> None:
+    key = "dir/" + "数" * 80  # 240 bytes in UTF-8, under the 255-byte name limit
+    await local.put(key, b"v")
+    async with local.open_writer(key + "x") as writer:
+        await writer.write(b"w")
+    assert await local.get(key) == b"v"
+    assert [i.key async for i in local.list("dir/")] == [key, key + "x"]
+
+
+def test_short_writes_are_completed() -> None:
+    # Unbuffered writes may write less than asked (Linux caps one call near 2 GiB); the
+    # store must loop. A file that takes at most 7 bytes per call stands in for that.
+    from asyncstore.stores.local import _write_all
+
+    class Trickle:
+        def __init__(self) -> None:
+            self.data = bytearray()
+
+        def write(self, view: memoryview) -> int:
+            self.data += view[:7]
+            return min(7, len(view))
+
+    sink = Trickle()
+    _write_all(sink, memoryview(bytes(range(100))))  # type: ignore[arg-type]
+    assert bytes(sink.data) == bytes(range(100))

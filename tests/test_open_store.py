@@ -136,3 +136,27 @@ def test_open_store_does_no_io(tmp_path: Path) -> None:
     target = tmp_path / "not-yet"
     asyncstore.open_store(target)
     assert not os.path.exists(target)
+
+
+def test_credentials_in_endpoint_are_refused() -> None:
+    with pytest.raises(InvalidURL, match="embeds credentials") as caught:
+        asyncstore.open_store("s3://bucket", endpoint_url="http://user:pw-secret@127.0.0.1:1")
+    assert "pw-secret" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "field", ["aws_secret_access_key", "aws_session_token", "aws_access_key_id"]
+)
+def test_credential_options_are_never_echoed(field: str) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        asyncstore.open_store("s3://bucket", **{field: b"TOP-SECRET-VALUE"})
+    assert "TOP-SECRET-VALUE" not in str(caught.value)
+    assert field in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_unknown_profile_is_a_store_error() -> None:
+    store = asyncstore.open_store("s3://bucket-x", profile="no-such-profile-here")
+    with pytest.raises(asyncstore.StoreError, match="cannot create an S3 client"):
+        await store.stat("k")
+    await store.aclose()

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import asyncstore
@@ -181,3 +183,31 @@ async def test_writer_failing_mid_stream_leaves_nothing(
         faults.reset()
         assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
         assert [i async for i in store.list()] == []
+
+
+async def test_writer_never_commits_after_a_failed_write(
+    faults: FaultProxy, seaweedfs: SeaweedFS
+) -> None:
+    # A caller that catches a failed write and leaves the block cleanly must not get a
+    # shortened object: the writer refuses to commit.
+    async with through(faults, seaweedfs, max_attempts=2) as store:
+        with pytest.raises(StoreError, match="an earlier write failed"):
+            async with store.open_writer("short") as writer:
+                await writer.write(os.urandom(3 * MiB))
+                faults.fail_next(1000, match="uploads")  # CreateMultipartUpload fails
+                with pytest.raises(StoreUnavailable):
+                    await writer.write(os.urandom(3 * MiB))
+                faults.reset()
+        assert [i async for i in store.list()] == []
+
+
+async def test_abandoned_reader_gives_its_slot_back(seaweedfs: SeaweedFS) -> None:
+    options = s3_options(seaweedfs, max_concurrency=1)
+    async with asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **options) as store:
+        await store.put("r", os.urandom(3 * MiB))
+        with pytest.warns(ResourceWarning, match="not closed"):
+            async for _chunk in store.open_reader("r", chunk_size=MiB):
+                break  # no 'async with': the reader is dropped open
+            gc.collect()
+        with anyio.fail_after(10):
+            assert (await store.stat("r")).size == 3 * MiB

@@ -16,7 +16,7 @@ from typing import Protocol, Self, runtime_checkable
 import anyio
 import msgspec
 
-from ..errors import InvalidArgument, StoreClosed
+from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._keys import check_key, check_prefix, check_range
 
 DEFAULT_CHUNK_SIZE = 1 << 20
@@ -340,6 +340,7 @@ class BaseWriter(abc.ABC):
         self._written = 0
         self._state = "new"  # new -> open -> committed | aborted
         self._info: ObjectInfo | None = None
+        self._failure: BaseException | None = None
 
     @property
     def key(self) -> str:
@@ -380,7 +381,13 @@ class BaseWriter(abc.ABC):
             )
         view = as_buffer(data, self._store.where(self._key))
         if len(view):
-            await self._write(view)
+            try:
+                await self._write(view)
+            except BaseException as exc:
+                # Part of the data may be lost: the object must never be committed now, even
+                # if the caller catches this and leaves the block cleanly.
+                self._failure = exc
+                raise
             self._written += len(view)
 
     async def __aexit__(
@@ -391,6 +398,13 @@ class BaseWriter(abc.ABC):
     ) -> None:
         if self._state != "open":
             return
+        if exc_type is None and self._failure is not None:
+            self._state = "aborted"
+            await self._shielded_abort()
+            raise StoreError(
+                f"nothing was written to {self._store.where(self._key)}: an earlier write "
+                f"failed ({type(self._failure).__name__}: {self._failure})"
+            ) from self._failure
         if exc_type is None:
             try:
                 self._info = await self._commit()

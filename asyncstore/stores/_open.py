@@ -105,6 +105,11 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
         endpoint = config.endpoint_url
         if endpoint is not None:
             ep = urlsplit(endpoint)
+            if ep.username is not None or ep.password is not None:
+                raise InvalidURL(
+                    f"endpoint_url {_redact(endpoint)!r} for {shown} embeds credentials; pass "
+                    "them as aws_access_key_id/aws_secret_access_key or through the environment"
+                )
             if ep.scheme not in ("http", "https") or not ep.hostname:
                 raise InvalidURL(
                     f"endpoint_url {_redact(endpoint)!r} for {shown} is not an http(s) URL; "
@@ -140,7 +145,8 @@ def _config(cls: type[C], options: dict[str, Any], shown: str) -> C:
         # msgspec says "Expected `int` >= 1 - at `$.part_size`": add the value the caller gave.
         match = re.search(r"at `\$\.(\w+)`", str(exc))
         name = match.group(1) if match else None
-        given = f"{name}={options[name]!r}: " if name in options and "secret" not in name else ""
+        secret = name is None or name.startswith("aws_")  # credentials are never echoed
+        given = f"{name}={options[name]!r}: " if name in options and not secret else ""
         raise InvalidArgument(
             f"bad option for {shown}: {given}{exc} (the options are: {fields})"
         ) from None

@@ -102,6 +102,16 @@ class LocalStore(BaseStore):
         """Create the key's directory and return the key's path, checking it stays inside."""
         path = os.path.join(self._root, key)
         parent = os.path.dirname(path)
+        # Check the deepest existing ancestor before creating anything below it: makedirs
+        # through a symlink that leaves the root would create directories outside it.
+        existing = parent
+        while not os.path.lexists(existing) and existing != self._root:
+            existing = os.path.dirname(existing)
+        if not self._inside(os.path.realpath(existing)):
+            raise PermissionDenied(
+                f"{self.where(key)} resolves outside the store's directory through a symlink; "
+                "asyncstore never writes outside a store's root"
+            )
         try:
             os.makedirs(parent, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
@@ -162,7 +172,7 @@ class LocalStore(BaseStore):
 
     def _put_sync(self, key: str, data: memoryview) -> ObjectInfo:
         with _TempFile(self, key) as tmp:
-            tmp.file.write(data)
+            _write_all(tmp.file, data)
             return tmp.commit()
 
     async def _put(self, key: str, data: memoryview) -> ObjectInfo:
@@ -263,6 +273,16 @@ class LocalStore(BaseStore):
         return _LocalReader(self, key, chunk_size)
 
 
+def _write_all(file: IO[bytes], data: memoryview) -> None:
+    # An unbuffered write is one system call, which may write less than asked (Linux stops
+    # at 2 GiB - 4 KiB per call): loop until every byte is down.
+    while len(data):
+        written = file.write(data)
+        if not written:
+            raise OSError(errno.EIO, "the file accepted no bytes")
+        data = data[written:]
+
+
 class _TempFile:
     """A temporary file beside a key, renamed over it on :meth:`commit`, removed otherwise.
 
@@ -283,7 +303,9 @@ class _TempFile:
             directory, name = os.path.split(self.path)
             # The name carries the target's name for whoever inspects a crashed directory, and
             # the reserved prefix so no listing or key can ever see it.
-            self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{name[:120]}")
+            # File names are limited to 255 bytes: keep at most 150 bytes of the target's name.
+            hint = name.encode()[:150].decode(errors="ignore")
+            self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{hint}")
             try:
                 self.file = open(self.tmp, "xb", buffering=0)
             except FileNotFoundError:
@@ -341,7 +363,7 @@ class _LocalWriter(BaseWriter):
 
     async def _write(self, data: memoryview) -> None:
         assert self._tmp is not None
-        await self._store._run(self._key, "write", self._tmp.file.write, data)
+        await self._store._run(self._key, "write", _write_all, self._tmp.file, data)
 
     async def _commit(self) -> ObjectInfo:
         assert self._tmp is not None

@@ -28,7 +28,7 @@ import anyio
 import msgspec
 from botocore import exceptions as bex
 
-from ..errors import NotFound, PermissionDenied, StoreError, StoreUnavailable
+from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._retry import with_retries
 
@@ -277,17 +277,18 @@ class S3Store(BaseStore):
                     request_checksum_calculation="when_required",
                     response_checksum_validation="when_required",
                 )
-                session = _session(cfg.profile)
-                cm = session.create_client(
-                    "s3",
-                    region_name=cfg.region or session.get_config_variable("region") or "us-east-1",
-                    endpoint_url=self._endpoint,
-                    aws_access_key_id=cfg.aws_access_key_id,
-                    aws_secret_access_key=cfg.aws_secret_access_key,
-                    aws_session_token=cfg.aws_session_token,
-                    config=config,
-                )
                 try:
+                    session = _session(cfg.profile)
+                    region = cfg.region or session.get_config_variable("region") or "us-east-1"
+                    cm = session.create_client(
+                        "s3",
+                        region_name=region,
+                        endpoint_url=self._endpoint,
+                        aws_access_key_id=cfg.aws_access_key_id,
+                        aws_secret_access_key=cfg.aws_secret_access_key,
+                        aws_session_token=cfg.aws_session_token,
+                        config=config,
+                    )
                     client = await cm.__aenter__()
                 except Exception as exc:
                     raise StoreError(
@@ -359,6 +360,8 @@ class S3Store(BaseStore):
                 exhausted=lambda exc, n: self._error(exc, key, n),
                 what=f"{what} {self.where(key) if key else self.url}",
             )
+        except AsyncStoreError:
+            raise  # already translated (NotFound and PermissionDenied are OSErrors too)
         except (bex.BotoCoreError, bex.ClientError, aiohttp.ClientError, OSError) as exc:
             raise self._error(exc, key) from exc
 
@@ -773,6 +776,17 @@ class _S3Reader(BaseReader):
         if body is not None:
             with contextlib.suppress(Exception):
                 await body.aclose()
+
+    def __del__(self) -> None:
+        # Dropped without aclose() (a plain 'async for' left with break): warn, and give the
+        # request slot and the connection back, or the store would run out of slots.
+        if getattr(self, "_state", "closed") == "open":
+            super().__del__()
+            body, self._body = self._body, None
+            if body is not None:
+                with contextlib.suppress(Exception):
+                    body.close()
+            self._release()
 
     def _release(self) -> None:
         if self._slot_held:
