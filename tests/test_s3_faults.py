@@ -211,3 +211,22 @@ async def test_abandoned_reader_gives_its_slot_back(seaweedfs: SeaweedFS) -> Non
             gc.collect()
         with anyio.fail_after(10):
             assert (await store.stat("r")).size == 3 * MiB
+
+
+async def test_lost_completion_response_is_recovered(
+    faults: FaultProxy, seaweedfs: SeaweedFS
+) -> None:
+    # The server completes the upload but the client never hears it: the retried completion
+    # must end in the object, not in an error or a second upload.
+    async with through(faults, seaweedfs) as store:
+        data = os.urandom(11 * MiB)  # three parts
+        # CompleteMultipartUpload is the one "POST /bucket/key?uploadId=…" request.
+        path = store.url.removeprefix("s3://")
+        faults.reset_next(1, match=f"POST /{path}/completed?uploadId=")
+        async with store.open_writer("completed") as writer:
+            await writer.write(data)
+        assert faults.resets == 1
+        assert writer.info is not None
+        assert writer.info.size == len(data)
+        assert await store.get("completed") == data
+        assert seaweedfs.list_multipart_uploads(BUCKET) == []

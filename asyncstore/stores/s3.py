@@ -298,10 +298,13 @@ class S3Store(BaseStore):
         return self._client
 
     async def _aclose(self) -> None:
-        cm, self._client, self._client_cm = self._client_cm, None, None
-        if cm is not None:
-            with anyio.CancelScope(shield=True):
-                await cm.__aexit__(None, None, None)
+        # Under the lock: a client being created right now is finished first and closed here;
+        # one requested after this point is refused, as the store is already marked closed.
+        with anyio.CancelScope(shield=True):
+            async with self._client_lock:
+                cm, self._client, self._client_cm = self._client_cm, None, None
+                if cm is not None:
+                    await cm.__aexit__(None, None, None)
 
     def __del__(self) -> None:
         if getattr(self, "_client", None) is not None:
@@ -650,6 +653,8 @@ class _S3Writer(BaseWriter):
         upload_id = self._upload_id
 
         async def attempt(client: Any) -> dict[str, Any]:
+            # Retried like every request: a retry after a lost answer completes the same
+            # upload again and succeeds (tested against SeaweedFS through a reset).
             return dict(
                 await client.complete_multipart_upload(
                     Bucket=self._store.bucket,

@@ -253,7 +253,7 @@ class FaultProxy:
         with self._lock:
             self._fail_left, self._fail_status, self._fail_match = n, status, match
 
-    def reset_next(self, n: int, after_bytes: int = 0) -> None:
+    def reset_next(self, n: int, after_bytes: int = 0, match: str | None = None) -> None:
         """Forward the next ``n`` requests, then reset their connections with a TCP RST.
 
         The reset happens once ``after_bytes`` bytes of the final response (interim ``100
@@ -267,6 +267,8 @@ class FaultProxy:
         Args:
             n: number of requests whose connection is reset.
             after_bytes: response bytes to pass through before the reset.
+            match: reset only requests whose request line contains this text, e.g.
+                ``"uploadId="``; others pass untouched and do not count.
 
         Raises:
             ValueError: if ``n`` or ``after_bytes`` is negative.
@@ -274,7 +276,7 @@ class FaultProxy:
         if n < 0 or after_bytes < 0:
             raise ValueError(f"invalid reset_next(n={n}, after_bytes={after_bytes})")
         with self._lock:
-            self._reset_left, self._reset_after = n, after_bytes
+            self._reset_left, self._reset_after, self._reset_match = n, after_bytes, match
 
     def stall(self, on: bool) -> None:
         """While on, read new requests but neither answer nor forward them.
@@ -308,7 +310,7 @@ class FaultProxy:
         with self._lock:
             self.latency = 0.0
             self._fail_left, self._fail_status, self._fail_match = 0, 503, None
-            self._reset_left, self._reset_after = 0, 0
+            self._reset_left, self._reset_after, self._reset_match = 0, 0, None
             self._stall = self._refuse = False
             self.connections = self.requests = self.requests_forwarded = 0
             self.failed = self.resets = 0
@@ -445,7 +447,9 @@ class FaultProxy:
                     self._fail_left -= 1
                     self.failed += 1
                     action, status = "fail", self._fail_status
-                elif self._reset_left > 0:
+                elif self._reset_left > 0 and (
+                    self._reset_match is None or self._reset_match in head.start_line
+                ):
                     self._reset_left -= 1
                     reset_after = self._reset_after
             if action == "stall":
