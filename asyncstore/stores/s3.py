@@ -140,6 +140,18 @@ def _session(profile: str | None) -> Any:
     return session
 
 
+def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
+    """Send request bodies without ``Expect: 100-continue``.
+
+    botocore asks for it on every streamed upload. It costs a round trip per PUT before the
+    first body byte moves, and aiohttp writes the headers of such a request outside its error
+    handling, so a connection reset at that moment surfaces as an unretrieved task exception
+    besides the error the caller gets. Without it, a rejected upload wastes its body's
+    bandwidth instead, which the retry policy bounds anyway.
+    """
+    params.get("headers", {}).pop("Expect", None)
+
+
 # -- error classification -----------------------------------------------------------------------
 
 _RETRY_CODES = frozenset(
@@ -290,6 +302,7 @@ class S3Store(BaseStore):
                         config=config,
                     )
                     client = await cm.__aenter__()
+                    client.meta.events.register_last("before-call.s3", _no_expect_header)
                 except Exception as exc:
                     raise StoreError(
                         f"cannot create an S3 client for {self.url}: {_describe(exc)}"
