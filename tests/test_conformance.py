@@ -36,6 +36,31 @@ async def test_round_trip(store: asyncstore.Store, size: int) -> None:
     assert stat.mtime is not None
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "with space/and+plus",
+        "percent%20literal",
+        "ünïcödé/数据.bin",
+        "q?uery#frag&amp=1",
+        "tilde~star*(paren)",
+        "semi;colon,comma'quote\"",
+        "a/b/c/d/e/f/g/h",
+    ],
+)
+async def test_special_characters_in_keys(store: asyncstore.Store, key: str) -> None:
+    data = key.encode() * 3
+    await store.put(key, data)
+    assert await store.get(key) == data
+    assert await store.get(key, 1, 5) == data[1:5]
+    assert (await store.stat(key)).size == len(data)
+    assert [i.key async for i in store.list()] == [key]
+    async with store.open_reader(key) as reader:
+        assert b"".join([c async for c in reader]) == data
+    await store.delete(key)
+    assert [i.key async for i in store.list()] == []
+
+
 async def test_put_accepts_any_buffer(store: asyncstore.Store) -> None:
     data = os.urandom(3000)
     await store.put("a", bytearray(data))

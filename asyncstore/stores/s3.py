@@ -31,6 +31,7 @@ from botocore import exceptions as bex
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._retry import with_retries
+from ._s3fast import S3HTTPError, SignedGetter
 
 __all__ = ["S3Config", "S3Store"]
 
@@ -199,6 +200,8 @@ _NETWORK_ERRORS: tuple[type[BaseException], ...] = (
 
 
 def _code(exc: BaseException) -> tuple[str, int]:
+    if isinstance(exc, S3HTTPError):
+        return exc.code, exc.status
     if isinstance(exc, bex.ClientError):
         error = exc.response.get("Error", {})
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
@@ -207,13 +210,15 @@ def _code(exc: BaseException) -> tuple[str, int]:
 
 
 def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, bex.ClientError):
+    if isinstance(exc, bex.ClientError | S3HTTPError):
         code, status = _code(exc)
         return status >= 500 or status == 429 or code in _RETRY_CODES
     return isinstance(exc, _NETWORK_ERRORS)
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, S3HTTPError):
+        return str(exc)
     if isinstance(exc, bex.ClientError):
         code, status = _code(exc)
         message = exc.response.get("Error", {}).get("Message", "")
@@ -243,6 +248,7 @@ class S3Store(BaseStore):
         self._slots = anyio.Semaphore(self._config.max_concurrency)
         self._client: Any = None
         self._client_cm: Any = None
+        self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
 
     @property
@@ -307,6 +313,14 @@ class S3Store(BaseStore):
                     raise StoreError(
                         f"cannot create an S3 client for {self.url}: {_describe(exc)}"
                     ) from exc
+                try:
+                    self._fast = await SignedGetter.create(client, session, self._bucket, cfg)
+                except Exception as exc:
+                    await cm.__aexit__(None, None, None)
+                    raise StoreError(
+                        f"cannot sign requests for {self.url}: {_describe(exc)}; check that "
+                        "credentials are configured (options, environment or AWS profile)"
+                    ) from exc
                 self._client_cm, self._client = cm, client
         return self._client
 
@@ -316,6 +330,9 @@ class S3Store(BaseStore):
         with anyio.CancelScope(shield=True):
             async with self._client_lock:
                 cm, self._client, self._client_cm = self._client_cm, None, None
+                fast, self._fast = self._fast, None
+                if fast is not None:
+                    await fast.aclose()
                 if cm is not None:
                     await cm.__aexit__(None, None, None)
 
@@ -378,7 +395,13 @@ class S3Store(BaseStore):
             )
         except AsyncStoreError:
             raise  # already translated (NotFound and PermissionDenied are OSErrors too)
-        except (bex.BotoCoreError, bex.ClientError, aiohttp.ClientError, OSError) as exc:
+        except (
+            bex.BotoCoreError,
+            bex.ClientError,
+            S3HTTPError,
+            aiohttp.ClientError,
+            OSError,
+        ) as exc:
             raise self._error(exc, key) from exc
 
     def _info(self, key: str, head: dict[str, Any], size: int | None = None) -> ObjectInfo:
@@ -398,32 +421,25 @@ class S3Store(BaseStore):
     ) -> tuple[bytes, int, str | None]:
         """Fetch ``[start, end)``; return the bytes, the object's size and its ETag."""
 
-        async def attempt(client: Any) -> tuple[bytes, int, str | None]:
-            extra = {"IfMatch": f'"{etag}"'} if etag else {}
+        async def attempt(_: Any) -> tuple[bytes, int, str | None]:
+            assert self._fast is not None
             try:
-                resp = await client.get_object(
-                    Bucket=self._bucket,
-                    Key=self._root + key,
-                    Range=f"bytes={start}-{end - 1}",
-                    **extra,
-                )
-            except bex.ClientError as exc:
-                code, status = _code(exc)
-                if code == "InvalidRange" or status == 416:
+                data, headers = await self._fast.get(self._root + key, start, end, etag)
+            except S3HTTPError as exc:
+                if exc.code == "InvalidRange" or exc.status == 416:
                     # The range starts at or past the end (or the object is empty): slicing
                     # semantics say b"". A missing key answers NoSuchKey instead, so the
                     # object does exist.
                     return b"", -1, None
-                if code == "PreconditionFailed" or status == 412:
+                if exc.code == "PreconditionFailed" or exc.status == 412:
                     raise _Precondition from exc
                 raise
-            async with resp["Body"] as body:
-                data: bytes = await body.read()
-            tag = resp.get("ETag")
-            total = _total_size(resp.get("ContentRange"), resp.get("ContentLength", len(data)))
-            if resp.get("ContentRange") is None and (start or end < len(data)):
+            tag = headers.get("ETag")
+            content_range = headers.get("Content-Range")
+            total = _total_size(content_range, len(data))
+            if content_range is None and (start or end < len(data)):
                 data = data[start:end]  # the server ignored Range and sent everything
-            return data, total, tag.strip('"') if isinstance(tag, str) else None
+            return data, total, tag.strip('"') if tag else None
 
         return await self._call(key, "get", attempt)
 
