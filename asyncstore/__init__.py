@@ -11,6 +11,9 @@ Open a store by URL and move bytes::
 
 from __future__ import annotations
 
+# cache
+from .cache import CacheStats, StoreFetchStats, TieredCache, TierStats
+
 # errors
 from .errors import (
     AsyncStoreError,
@@ -53,6 +56,11 @@ __all__ = [
     "LocalConfig",
     "S3Store",
     "S3Config",
+    # cache
+    "TieredCache",
+    "CacheStats",
+    "TierStats",
+    "StoreFetchStats",
     # errors
     "AsyncStoreError",
     "InvalidArgument",

@@ -11,7 +11,13 @@ import pytest
 import asyncstore
 from asyncstore import errors
 
-PUBLIC_MODULES = ["asyncstore", "asyncstore.errors", "asyncstore.stores", "asyncstore.testing"]
+PUBLIC_MODULES = [
+    "asyncstore",
+    "asyncstore.errors",
+    "asyncstore.stores",
+    "asyncstore.cache",
+    "asyncstore.testing",
+]
 
 
 @pytest.mark.parametrize("name", PUBLIC_MODULES)

@@ -1,0 +1,343 @@
+"""The disk tier: one directory shared by every process of a node, under one byte budget.
+
+Layout::
+
+    DIR/index.sqlite        the shared index: one row per entry (name, size, last access)
+    DIR/ab/abcdef….entry    entries, sharded by the first byte of their name
+    DIR/ab/.tmp-PID-RAND    an entry being written (invisible until renamed)
+
+An entry's name is the xxh3-128 of its cache key. Its file holds a header (magic, format
+version, payload length, xxh3-64 of the payload, the key and the source's ETag) and the
+payload. Readers check all of it, so a torn, truncated, foreign or bit-flipped file is never
+served: it is dropped and counted, and the caller refetches.
+
+Why SQLite for the index: several processes insert and evict at once, and the budget is one
+number for all of them. A transaction (``BEGIN IMMEDIATE``) makes "account for the new entry,
+pick victims oldest-first, delete their rows" atomic across processes; the files themselves
+are published by ``rename`` and removed after the commit. Hits do not touch the index on the
+read path: last-access times are batched and written with the next insert or every
+``_TOUCH_BATCH`` hits.
+
+Every method here blocks; the cache calls them in worker threads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sqlite3
+import struct
+import threading
+import time
+from pathlib import Path
+
+import xxhash
+
+from ..errors import IntegrityError
+
+_MAGIC = b"ASCE"
+_VERSION = 1
+# magic, version, payload length, payload xxh3-64, key length, etag length
+_HEADER = struct.Struct("<4sHQQHH")
+_TOUCH_BATCH = 256
+_STALE_TMP_SECONDS = 3600.0
+
+
+class DiskTier:
+    """A cache directory with a hard byte budget, safe to share between processes."""
+
+    def __init__(self, directory: str | os.PathLike[str], budget: int) -> None:
+        self.directory = Path(directory)
+        self.budget = budget
+        self._lock = threading.Lock()
+        self._touched: dict[str, float] = {}
+        self.evictions = 0
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._db_path = self.directory / "index.sqlite"
+        self._db = sqlite3.connect(
+            self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
+        )
+        # WAL lets readers and one writer proceed together; NORMAL sync is enough for a cache
+        # (a lost index update after power loss only forgets or over-counts an entry, and the
+        # checksum protects every read).
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(
+            """
+            CREATE TABLE IF NOT EXISTS entries (
+                name TEXT PRIMARY KEY, size INTEGER NOT NULL, atime REAL NOT NULL);
+            CREATE INDEX IF NOT EXISTS entries_atime ON entries(atime);
+            CREATE TABLE IF NOT EXISTS total (id INTEGER PRIMARY KEY CHECK (id = 0),
+                bytes INTEGER NOT NULL);
+            INSERT OR IGNORE INTO total VALUES (0, 0);
+            """
+        )
+        self.clean_leftovers()
+
+    # -- names and files ---------------------------------------------------------------------
+
+    @staticmethod
+    def name_for(key: str) -> str:
+        """The entry name of a cache key."""
+        return xxhash.xxh3_128_hexdigest(key.encode())
+
+    def path_for(self, name: str) -> Path:
+        """Where the entry ``name`` lives."""
+        return self.directory / name[:2] / f"{name}.entry"
+
+    # -- read --------------------------------------------------------------------------------
+
+    def read(self, key: str) -> tuple[bytes, str | None] | None:
+        """The payload and ETag stored for ``key``, or ``None`` if there is no entry.
+
+        Raises:
+            IntegrityError: the entry exists but is damaged; it has been removed.
+            OSError: the directory cannot be read.
+        """
+        name = self.name_for(key)
+        path = self.path_for(name)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                raw = f.readall()
+        except FileNotFoundError:
+            return None
+        try:
+            payload, etag = _decode(raw, key)
+        except IntegrityError:
+            self._remove(name)
+            raise
+        with self._lock:
+            self._touched[name] = time.time()
+            flush = len(self._touched) >= _TOUCH_BATCH
+        if flush:
+            self._flush_touches()
+        return payload, etag
+
+    # -- write -------------------------------------------------------------------------------
+
+    def write(self, key: str, payload: bytes, etag: str | None) -> bool:
+        """Store ``payload`` for ``key``, evicting least recently used entries as needed.
+
+        Returns False when the entry cannot fit the budget at all.
+        """
+        name = self.name_for(key)
+        data = _encode(key, payload, etag)
+        size = len(data)
+        if size > self.budget:
+            return False
+        final = self.path_for(name)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.parent / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            with open(tmp, "xb", buffering=0) as f:
+                view = memoryview(data)
+                while view:
+                    view = view[f.write(view) :]
+            self._flush_touches()
+            victims = self._admit(name, size)
+            if victims is None:
+                return False
+            os.rename(tmp, final)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        for victim in victims:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path_for(victim))
+        return True
+
+    def _admit(self, name: str, size: int) -> list[str] | None:
+        """Account for ``name`` in the index, choosing victims; None if it cannot fit."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                # The index file counts against the budget too.
+                limit = self.budget - self._db_bytes()
+                old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
+                (total,) = db.execute("SELECT bytes FROM total").fetchone()
+                total -= old[0] if old else 0
+                if size > limit:
+                    db.execute("ROLLBACK")
+                    return None
+                victims: list[str] = []
+                if total + size > limit:
+                    rows = db.execute(
+                        "SELECT name, size FROM entries WHERE name != ? ORDER BY atime", (name,)
+                    )
+                    for victim, victim_size in rows:
+                        victims.append(victim)
+                        total -= victim_size
+                        if total + size <= limit:
+                            break
+                    db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in victims])
+                db.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", (name, size, time.time())
+                )
+                db.execute("UPDATE total SET bytes = ?", (total + size,))
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+            self.evictions += len(victims)
+        return victims
+
+    # -- remove ------------------------------------------------------------------------------
+
+    def remove(self, key: str) -> None:
+        """Drop the entry for ``key`` if there is one."""
+        self._remove(self.name_for(key))
+
+    def _remove(self, name: str) -> None:
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                row = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
+                if row:
+                    db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                    db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+            self._touched.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(name))
+
+    def clear(self) -> None:
+        """Remove every entry (of every process)."""
+        with self._lock:
+            db = self._db
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                names = [row[0] for row in db.execute("SELECT name FROM entries")]
+                db.execute("DELETE FROM entries")
+                db.execute("UPDATE total SET bytes = 0")
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+            self._touched.clear()
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path_for(name))
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def used_bytes(self) -> int:
+        """Bytes the tier accounts for: entries plus its index."""
+        with self._lock:
+            (total,) = self._db.execute("SELECT bytes FROM total").fetchone()
+            return int(total) + self._db_bytes()
+
+    def entry_count(self) -> int:
+        """How many entries the index holds."""
+        with self._lock:
+            (count,) = self._db.execute("SELECT COUNT(*) FROM entries").fetchone()
+            return int(count)
+
+    def _db_bytes(self) -> int:
+        size = 0
+        for suffix in ("", "-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                size += os.stat(f"{self._db_path}{suffix}").st_size
+        return size
+
+    def _flush_touches(self) -> None:
+        with self._lock:
+            touched, self._touched = self._touched, {}
+            if touched:
+                self._db.executemany(
+                    "UPDATE entries SET atime = ? WHERE name = ?",
+                    [(atime, name) for name, atime in touched.items()],
+                )
+
+    def clean_leftovers(self) -> None:
+        """Remove what crashed writers left: temp files of dead processes (or very old ones),
+        and entry files the index does not know (their bytes would escape the budget)."""
+        now = time.time()
+        with self._lock:
+            known = {row[0] for row in self._db.execute("SELECT name FROM entries")}
+        for shard in self.directory.iterdir():
+            if not shard.is_dir() or len(shard.name) != 2:
+                continue
+            for path in shard.iterdir():
+                name = path.name
+                if name.startswith(".tmp-"):
+                    pid = name.split("-")[1]
+                    alive = pid.isdigit() and _alive(int(pid))
+                    stale = now - _mtime(path) > _STALE_TMP_SECONDS
+                    if not alive or stale:
+                        with contextlib.suppress(FileNotFoundError):
+                            path.unlink()
+                elif (
+                    name.endswith(".entry")
+                    and name[: -len(".entry")] not in known
+                    and now - _mtime(path) > 60.0
+                ):
+                    # Evicted by another process while being renamed into place: bytes the
+                    # budget no longer counts. (Young ones may be mid-publish: left alone.)
+                    with contextlib.suppress(FileNotFoundError):
+                        path.unlink()
+
+    def close(self) -> None:
+        """Write pending access times and close the index."""
+        with contextlib.suppress(sqlite3.Error):
+            self._flush_touches()
+        self._db.close()
+
+
+def _encode(key: str, payload: bytes, etag: str | None) -> bytes:
+    key_bytes = key.encode()
+    etag_bytes = (etag or "").encode()
+    header = _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        len(payload),
+        xxhash.xxh3_64_intdigest(payload),
+        len(key_bytes),
+        len(etag_bytes),
+    )
+    return b"".join((header, key_bytes, etag_bytes, payload))
+
+
+def _decode(raw: bytes, key: str) -> tuple[bytes, str | None]:
+    if len(raw) < _HEADER.size:
+        raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
+    magic, version, length, digest, key_len, etag_len = _HEADER.unpack_from(raw)
+    if magic != _MAGIC or version != _VERSION:
+        raise IntegrityError(f"cache entry for {key!r} has an unknown format")
+    start = _HEADER.size + key_len + etag_len
+    if len(raw) != start + length:
+        raise IntegrityError(
+            f"cache entry for {key!r} holds {len(raw) - start} payload bytes, expected {length}"
+        )
+    if raw[_HEADER.size : _HEADER.size + key_len] != key.encode():
+        raise IntegrityError(f"cache entry for {key!r} belongs to another key")
+    payload = raw[start:]
+    if xxhash.xxh3_64_intdigest(payload) != digest:
+        raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
+    etag = raw[_HEADER.size + key_len : start].decode() or None
+    return payload, etag
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0

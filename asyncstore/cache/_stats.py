@@ -1,0 +1,89 @@
+"""Cache statistics: what each tier served, dropped and evicted, and store latency."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+
+class TierStats(msgspec.Struct):
+    """Counters of one cache tier.
+
+    Attributes:
+        hits: reads this tier answered.
+        misses: reads it could not answer (the next tier was asked).
+        bytes_served: payload bytes returned from this tier.
+        evictions: entries removed to make room.
+        corrupt: entries found damaged (checksum, truncation) and dropped.
+        bypassed: values not stored here because they could never fit.
+        errors: I/O errors of this tier (the disk tier switches itself off at the first).
+        enabled: False once the tier has switched itself off.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    bytes_served: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    bypassed: int = 0
+    errors: int = 0
+    enabled: bool = True
+
+
+class StoreFetchStats(msgspec.Struct):
+    """Requests that reached the store below the cache.
+
+    Attributes:
+        fetches: store reads (after single-flight merging).
+        bytes: bytes fetched.
+        revalidations: ``stat`` calls made by ``validate="etag"``.
+        latency_p50, latency_p95, latency_p99: seconds, over the most recent fetches.
+    """
+
+    fetches: int = 0
+    bytes: int = 0
+    revalidations: int = 0
+    latency_p50: float = 0.0
+    latency_p95: float = 0.0
+    latency_p99: float = 0.0
+
+
+class CacheStats(msgspec.Struct):
+    """A snapshot of a :class:`TieredCache`'s counters (``cache.stats()``).
+
+    Attributes:
+        gets: reads asked of the cache.
+        hit_rate: the fraction of gets served by the memory or disk tier.
+        memory, disk: per-tier counters.
+        store: what reached the store.
+    """
+
+    gets: int
+    hit_rate: float
+    memory: TierStats
+    disk: TierStats
+    store: StoreFetchStats
+
+
+class LatencyWindow:
+    """The most recent ``size`` latencies, for percentiles that follow the current state."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self._samples: deque[float] = deque(maxlen=size)
+
+    def add(self, seconds: float) -> None:
+        """Record one sample."""
+        self._samples.append(seconds)
+
+    def percentiles(self) -> tuple[float, float, float]:
+        """p50, p95 and p99 of the window (zeros when empty)."""
+        if not self._samples:
+            return 0.0, 0.0, 0.0
+        ordered = sorted(self._samples)
+        last = len(ordered) - 1
+
+        def at(q: float) -> float:
+            return ordered[min(last, round(q * last))]
+
+        return at(0.50), at(0.95), at(0.99)

@@ -1,0 +1,450 @@
+"""TieredCache: memory → local disk → store, read-through, with single flight.
+
+A read looks in memory, then on disk, then asks the store; what a lower tier returns is
+copied into the tiers above it. Concurrent reads of one missing entry share one fetch (single
+flight): the fetch runs as its own task, so a reader that is cancelled or times out does not
+cancel it for the others, and an error reaches every reader without being cached.
+
+Ranged reads are served from fixed-size blocks (``block_bytes``) cached like small objects,
+so the hot regions of a huge object stay local without caching all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import time
+import warnings
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from types import TracebackType
+from typing import Literal, Self, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from ..errors import IntegrityError, InvalidArgument, StoreClosed
+from ..stores._base import Store
+from ..stores._keys import check_key, check_range
+from ._disk import DiskTier
+from ._memory import MemoryTier
+from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
+
+logger = logging.getLogger("asyncstore.cache")
+
+MiB = 1 << 20
+
+DEFAULT_BLOCK_BYTES = 8 * MiB
+"""Block size of ranged reads: large enough that a block costs one request's overhead per
+8 MiB, small enough that a scattered access pattern does not pull in much it never reads."""
+
+DEFAULT_TTL = 60.0
+"""Seconds an ETag check stays valid with ``validate="etag"``: a changed object is seen
+within a minute at the cost of one ``stat`` per object per minute."""
+
+DISK_THREADS = 8
+"""Worker threads doing disk-tier I/O at once: enough to keep an NVMe queue busy."""
+
+T = TypeVar("T")
+_Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
+
+
+def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"{name}={value!r}: pass a positive number of bytes")
+
+
+class TieredCache:
+    """A read-through cache over a store: memory, then an optional local disk directory.
+
+    Args:
+        store: the store to read through (any :class:`asyncstore.Store`).
+        memory_bytes: the memory tier's hard budget.
+        disk_dir: a local directory for the disk tier, shared by every process that opens it;
+            ``None`` for no disk tier.
+        disk_bytes: the disk tier's hard budget (entries plus index); required with
+            ``disk_dir``.
+        policy: ``"lru"`` evicts the least recently used entry.
+        validate: ``"none"`` trusts cached entries forever (immutable datasets);
+            ``"etag"`` re-checks an object's ETag with ``stat`` after ``ttl`` seconds and
+            refetches it if it changed.
+        ttl: seconds between ETag checks of one object with ``validate="etag"``.
+        block_bytes: block size for ranged reads.
+
+    Raises:
+        InvalidArgument: a budget, policy, mode or size is not usable.
+
+    Use it as an async context manager; :meth:`aclose` waits for background disk writes.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        memory_bytes: int,
+        disk_dir: str | os.PathLike[str] | None = None,
+        disk_bytes: int | None = None,
+        policy: Literal["lru"] = "lru",
+        validate: Literal["none", "etag"] = "none",
+        ttl: float = DEFAULT_TTL,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise InvalidArgument(
+                f"store={store!r} is not an asyncstore store; open one with open_store()"
+            )
+        _positive("memory_bytes", memory_bytes)
+        _positive("block_bytes", block_bytes)
+        _positive("disk_bytes", disk_bytes, allow_none=True)
+        if disk_dir is not None and disk_bytes is None:
+            raise InvalidArgument(
+                f"disk_dir={os.fspath(disk_dir)!r} needs disk_bytes, the disk tier's budget"
+            )
+        if disk_dir is None and disk_bytes is not None:
+            raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
+        if policy != "lru":
+            raise InvalidArgument(f"policy={policy!r}: the policies are 'lru'")
+        if validate not in ("none", "etag"):
+            raise InvalidArgument(f"validate={validate!r}: use 'none' or 'etag'")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0:
+            raise InvalidArgument(f"ttl={ttl!r}: pass a number of seconds >= 0")
+        self._store = store
+        self._memory = MemoryTier(memory_bytes)
+        self._disk_dir = disk_dir
+        self._disk_bytes = disk_bytes
+        self._disk: DiskTier | None = None
+        self._validate = validate
+        self._ttl = float(ttl)
+        self._block = block_bytes
+        self._limiter = anyio.CapacityLimiter(DISK_THREADS)
+        self._inflight: dict[str, asyncio.Future[bytes]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        # validate="etag": ETag of each cached entry, and the last checked ETag per object.
+        self._entry_etags: dict[str, str | None] = {}
+        self._checked: dict[str, tuple[str | None, float]] = {}
+        self._gets = 0
+        self._mem_stats = TierStats()
+        self._disk_stats = TierStats(enabled=disk_dir is not None)
+        self._store_stats = StoreFetchStats()
+        self._latency = LatencyWindow()
+        self._state = "new"
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        await self._open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def _open(self) -> None:
+        if self._state == "closed":
+            raise StoreClosed("this TieredCache is closed; create a new one")
+        if self._state == "open":
+            return
+        self._state = "open"
+        if self._disk_dir is not None and self._disk_bytes is not None:
+            directory, budget = self._disk_dir, self._disk_bytes
+            try:
+                self._disk = await anyio.to_thread.run_sync(DiskTier, directory, budget)
+            except (OSError, sqlite3.Error) as exc:
+                self._disable_disk(exc)
+
+    async def aclose(self) -> None:
+        """Finish background disk writes and close the disk tier; closing twice is harmless."""
+        if self._state == "closed":
+            return
+        self._state = "closed"
+        tasks = list(self._tasks)
+        if tasks:
+            # Let fetches and disk writes finish: a cancelled write would only waste the
+            # fetch, and every task is bounded by the store's own timeouts.
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+        disk, self._disk = self._disk, None
+        if disk is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(disk.close, limiter=self._limiter)
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", "closed") == "open" and getattr(self, "_disk", None):
+            warnings.warn(
+                "TieredCache was not closed; use 'async with' or await aclose()",
+                ResourceWarning,
+                stacklevel=1,
+            )
+
+    # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The object's bytes (or ``[start, end)`` of them), from the nearest tier that has it.
+
+        Raises the store's errors (``NotFound``, ``StoreUnavailable``…) when it must be asked
+        and fails; a broken cache tier never fails a read the store can serve.
+        """
+        if self._state != "open":
+            await self._open()
+        key = check_key(key, self._store.url)
+        self._gets += 1
+        if start is None and end is None:
+            return await self._lookup(key, key, lambda: self._load_object(key))
+        first, last = check_range(start, end, f"{self._store.url}/{key}")
+        return await self._get_range(key, first, last)
+
+    async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
+        whole = self._memory.get(key)
+        if whole is not None and await self._fresh(key, key):
+            self._count_memory_hit(whole, end, start)
+            return whole[start:end]
+        size = self._block
+        first = start // size
+        if end is not None:
+            last = max(first, (end - 1) // size)
+            blocks = await asyncio.gather(
+                *(self._get_block(key, i) for i in range(first, last + 1))
+            )
+        else:
+            blocks = []
+            index = first
+            while True:
+                block = await self._get_block(key, index)
+                blocks.append(block)
+                if len(block) < size:
+                    break
+                index += 1
+        data = b"".join(blocks)
+        offset = first * size
+        return data[start - offset : None if end is None else end - offset]
+
+    def _count_memory_hit(self, data: bytes, end: int | None, start: int) -> None:
+        self._mem_stats.hits += 1
+        self._mem_stats.bytes_served += len(data[start:end]) if end or start else len(data)
+
+    async def _get_block(self, key: str, index: int) -> bytes:
+        size = self._block
+
+        async def load() -> tuple[bytes, str | None]:
+            etag = await self._current_etag(key)
+            return await self._fetch_store(key, index * size, (index + 1) * size), etag
+
+        return await self._lookup(f"{key}\x00{index}", key, load)
+
+    async def _lookup(self, cache_key: str, key: str, load: _Loader) -> bytes:
+        value = self._memory.get(cache_key)
+        if value is not None and await self._fresh(cache_key, key):
+            self._mem_stats.hits += 1
+            self._mem_stats.bytes_served += len(value)
+            return value
+        self._mem_stats.misses += 1
+        future = self._inflight.get(cache_key)
+        if future is None:
+            future = asyncio.get_running_loop().create_future()
+            self._inflight[cache_key] = future
+            task = asyncio.ensure_future(self._fill(cache_key, key, load, future))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        # shield: a caller cancelled while waiting must not cancel the fetch other callers
+        # (or the cache) are waiting on.
+        return await asyncio.shield(future)
+
+    async def _fill(
+        self, cache_key: str, key: str, load: _Loader, future: asyncio.Future[bytes]
+    ) -> None:
+        try:
+            data, etag, from_store = await self._load(cache_key, key, load)
+        except BaseException as exc:
+            self._inflight.pop(cache_key, None)
+            if not future.done():
+                error = exc if isinstance(exc, Exception) else StoreClosed("the cache closed")
+                future.set_exception(error)
+                future.exception()  # retrieved: nobody may be left waiting, that is fine
+            if not isinstance(exc, Exception):
+                raise
+            return
+        if self._validate == "etag":
+            self._entry_etags[cache_key] = etag
+        if not self._memory.put(cache_key, data):
+            self._mem_stats.bypassed += 1
+        self._inflight.pop(cache_key, None)
+        future.set_result(data)
+        if from_store and self._disk is not None:
+            await self._disk_call(self._disk.write, cache_key, data, etag)
+
+    async def _load(
+        self, cache_key: str, key: str, load: _Loader
+    ) -> tuple[bytes, str | None, bool]:
+        disk = self._disk
+        if disk is not None:
+            hit = await self._disk_call(disk.read, cache_key)
+            if hit is not None:
+                payload, etag = hit
+                if self._validate == "none" or etag == await self._current_etag(key):
+                    self._disk_stats.hits += 1
+                    self._disk_stats.bytes_served += len(payload)
+                    return payload, etag, False
+            self._disk_stats.misses += 1
+        data, etag = await load()
+        return data, etag, True
+
+    async def _load_object(self, key: str) -> tuple[bytes, str | None]:
+        if self._validate == "none":
+            return await self._fetch_store(key, None, None), None
+        # One GET gives the bytes and the ETag of the same version.
+        started = time.monotonic()
+        async with self._store.open_reader(key, chunk_size=64 * MiB) as reader:
+            data = b"".join([chunk async for chunk in reader])
+            info = reader.info
+        self._record_fetch(started, len(data))
+        etag = info.etag if info is not None else None
+        self._checked[key] = (etag, time.monotonic())
+        return data, etag
+
+    async def _fetch_store(self, key: str, start: int | None, end: int | None) -> bytes:
+        started = time.monotonic()
+        data = await self._store.get(key, start, end)
+        self._record_fetch(started, len(data))
+        return data
+
+    def _record_fetch(self, started: float, size: int) -> None:
+        self._latency.add(time.monotonic() - started)
+        self._store_stats.fetches += 1
+        self._store_stats.bytes += size
+
+    # -- consistency -------------------------------------------------------------------------
+
+    async def _fresh(self, cache_key: str, key: str) -> bool:
+        if self._validate == "none":
+            return True
+        current = await self._current_etag(key)
+        if self._entry_etags.get(cache_key) == current:
+            return True
+        self._memory.discard(cache_key)
+        self._entry_etags.pop(cache_key, None)
+        return False
+
+    async def _current_etag(self, key: str) -> str | None:
+        if self._validate == "none":
+            return None
+        checked = self._checked.get(key)
+        now = time.monotonic()
+        if checked is not None and now - checked[1] < self._ttl:
+            return checked[0]
+        info = await self._store.stat(key)
+        self._store_stats.revalidations += 1
+        self._checked[key] = (info.etag, now)
+        return info.etag
+
+    # -- the disk tier -----------------------------------------------------------------------
+
+    async def _disk_call(self, func: Callable[..., T], *args: object) -> T | None:
+        try:
+            return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+        except IntegrityError as exc:
+            self._disk_stats.corrupt += 1
+            logger.warning("dropped a damaged disk cache entry: %s", exc)
+        except (OSError, sqlite3.Error) as exc:
+            self._disable_disk(exc)
+        return None
+
+    def _disable_disk(self, exc: BaseException) -> None:
+        self._disk_stats.errors += 1
+        if self._disk_stats.enabled:
+            self._disk_stats.enabled = False
+            logger.warning(
+                "disk cache tier at %s switched off after an error (%s); reads go on from "
+                "memory and %s",
+                self._disk_dir,
+                exc,
+                self._store.url,
+            )
+        disk, self._disk = self._disk, None
+        if disk is not None:
+            with contextlib.suppress(OSError, sqlite3.Error):
+                disk.close()
+
+    # -- management --------------------------------------------------------------------------
+
+    async def warm(self, keys: Iterable[str] | AsyncIterable[str], concurrency: int = 32) -> int:
+        """Read ``keys`` into the cache; returns how many were read."""
+        limit = anyio.Semaphore(concurrency)
+        count = 0
+
+        async def one(key: str) -> None:
+            nonlocal count
+            async with limit:
+                await self.get(key)
+                count += 1
+
+        async with anyio.create_task_group() as tg:
+            if isinstance(keys, AsyncIterable):
+                async for key in keys:
+                    await limit.acquire()
+                    limit.release()
+                    tg.start_soon(one, key)
+            else:
+                for key in keys:
+                    tg.start_soon(one, key)
+        return count
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Keep ``keys`` in memory regardless of recency (from when they are next read)."""
+        self._memory.pin(check_key(key, self._store.url) for key in keys)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Let ``keys`` be evicted by recency again."""
+        self._memory.unpin(check_key(key, self._store.url) for key in keys)
+
+    async def invalidate(self, key: str) -> None:
+        """Forget ``key`` (and its cached blocks) in every tier; the next read refetches it."""
+        key = check_key(key, self._store.url)
+        doomed = [k for k in self._memory.keys_by_recency() if k.split("\x00", 1)[0] == key]
+        for cache_key in [key, *doomed]:
+            self._memory.discard(cache_key)
+            self._entry_etags.pop(cache_key, None)
+        self._checked.pop(key, None)
+        if self._disk is not None:
+            await self._disk_call(self._disk.remove, key)
+
+    async def clear(self) -> None:
+        """Empty the memory and disk tiers (the disk tier for every process sharing it)."""
+        self._memory.clear()
+        self._entry_etags.clear()
+        self._checked.clear()
+        if self._disk is not None:
+            await self._disk_call(self._disk.clear)
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the cache's counters."""
+        memory = TierStats(
+            hits=self._mem_stats.hits,
+            misses=self._mem_stats.misses,
+            bytes_served=self._mem_stats.bytes_served,
+            evictions=self._memory.evictions,
+            corrupt=0,
+            bypassed=self._memory.bypassed,
+        )
+        disk = TierStats(**{f: getattr(self._disk_stats, f) for f in TierStats.__struct_fields__})
+        if self._disk is not None:
+            disk.evictions = self._disk.evictions
+        p50, p95, p99 = self._latency.percentiles()
+        store = StoreFetchStats(
+            fetches=self._store_stats.fetches,
+            bytes=self._store_stats.bytes,
+            revalidations=self._store_stats.revalidations,
+            latency_p50=p50,
+            latency_p95=p95,
+            latency_p99=p99,
+        )
+        lookups = memory.hits + memory.misses
+        hit_rate = (memory.hits + disk.hits) / lookups if lookups else 0.0
+        return CacheStats(gets=self._gets, hit_rate=hit_rate, memory=memory, disk=disk, store=store)

@@ -1,0 +1,297 @@
+"""TieredCache: read-through, single flight, self-healing disk tier, consistency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import asyncstore
+from asyncstore import InvalidArgument, NotFound
+from asyncstore.cache import TieredCache
+from asyncstore.cache._disk import DiskTier
+from asyncstore.stores import MemoryStore, drop_memory_store
+
+from .conftest import unique
+
+pytestmark = pytest.mark.anyio
+
+KiB = 1 << 10
+
+
+class CountingStore(MemoryStore):
+    """A real memory store that counts the reads reaching it, and can be slowed or broken."""
+
+    def __init__(self) -> None:
+        super().__init__(unique("counting"))
+        self.gets: list[tuple[str, int, int | None]] = []
+        self.delay = 0.0
+        self.fail: Exception | None = None
+
+    async def _get(self, key: str, start: int, end: int | None) -> bytes:
+        self.gets.append((key, start, end))
+        if self.delay:
+            await anyio.sleep(self.delay)
+        if self.fail is not None:
+            raise self.fail
+        return await super()._get(key, start, end)
+
+
+@pytest.fixture
+async def source() -> AsyncIterator[CountingStore]:
+    store = CountingStore()
+    for i in range(20):
+        await store.put(f"obj/{i:03d}", bytes([i]) * (10 * KiB))
+    yield store
+    drop_memory_store(store.url.removeprefix("memory://"))
+
+
+async def test_read_through_and_promotion(source: CountingStore, tmp_path: Path) -> None:
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        assert len(source.gets) == 1
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        assert len(source.gets) == 1  # from memory
+        stats = cache.stats()
+        assert stats.memory.hits == 1
+        assert stats.memory.misses == 1
+        assert stats.disk.misses == 1
+        assert stats.store.fetches == 1
+        assert stats.hit_rate == 0.5
+    # A new cache on the same directory: memory is cold, disk is warm.
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        assert len(source.gets) == 1
+        assert cache.stats().disk.hits == 1
+        await cache.get("obj/001")
+        assert cache.stats().memory.hits == 1  # promoted
+
+
+async def test_memory_only(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=25 * KiB) as cache:
+        for i in range(3):
+            await cache.get(f"obj/{i:03d}")
+        assert cache.stats().memory.evictions == 1
+        await cache.get("obj/000")  # evicted: fetched again
+        assert len(source.gets) == 4
+
+
+async def test_single_flight(source: CountingStore) -> None:
+    source.delay = 0.05
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        results = await asyncio.gather(*(cache.get("obj/005") for _ in range(100)))
+    assert all(r == bytes([5]) * 10 * KiB for r in results)
+    assert len(source.gets) == 1
+
+
+async def test_cancelled_waiter_does_not_cancel_the_fetch(source: CountingStore) -> None:
+    source.delay = 0.2
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        impatient = asyncio.ensure_future(cache.get("obj/007"))
+        patient = asyncio.ensure_future(cache.get("obj/007"))
+        await asyncio.sleep(0.05)
+        impatient.cancel()
+        assert await patient == bytes([7]) * 10 * KiB
+        with pytest.raises(asyncio.CancelledError):
+            await impatient
+    assert len(source.gets) == 1
+
+
+async def test_errors_reach_every_waiter_and_are_not_cached(source: CountingStore) -> None:
+    source.delay = 0.05
+    source.fail = asyncstore.StoreUnavailable("the store is down")
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        results = await asyncio.gather(
+            *(cache.get("obj/002") for _ in range(10)), return_exceptions=True
+        )
+        assert all(isinstance(r, asyncstore.StoreUnavailable) for r in results)
+        assert len(source.gets) == 1
+        source.fail = None
+        assert await cache.get("obj/002") == bytes([2]) * 10 * KiB
+        assert len(source.gets) == 2
+        with pytest.raises(NotFound):
+            await cache.get("obj/missing")
+
+
+async def test_ranges_are_served_from_blocks(source: CountingStore) -> None:
+    data = os.urandom(100 * KiB)
+    await source.put("big", data)
+    async with TieredCache(source, memory_bytes=1 << 20, block_bytes=16 * KiB) as cache:
+        assert await cache.get("big", 20 * KiB, 40 * KiB) == data[20 * KiB : 40 * KiB]
+        assert sorted(source.gets) == [("big", 16 * KiB, 32 * KiB), ("big", 32 * KiB, 48 * KiB)]
+        assert await cache.get("big", 17 * KiB, 33 * KiB) == data[17 * KiB : 33 * KiB]
+        assert len(source.gets) == 2  # both blocks cached
+        assert await cache.get("big", 90 * KiB) == data[90 * KiB :]
+        assert await cache.get("big", 99 * KiB, 200 * KiB) == data[99 * KiB :]
+        assert await cache.get("big", 5, 5) == b""
+
+
+async def test_corrupt_disk_entries_are_dropped_and_refetched(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        await cache.get("obj/003")
+        await cache.get("obj/004")
+    entry3 = DiskTier(tmp_path, 1 << 20)
+    path3 = entry3.path_for(entry3.name_for("obj/003"))
+    path4 = entry3.path_for(entry3.name_for("obj/004"))
+    entry3.close()
+    raw = bytearray(path3.read_bytes())
+    raw[-100] ^= 0x01  # one flipped bit in the payload
+    path3.write_bytes(bytes(raw))
+    path4.write_bytes(path4.read_bytes()[:-10])  # truncated
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        assert await cache.get("obj/003") == bytes([3]) * 10 * KiB
+        assert await cache.get("obj/004") == bytes([4]) * 10 * KiB
+        assert cache.stats().disk.corrupt == 2
+        assert cache.stats().disk.enabled
+    assert len(source.gets) == 4  # two first reads, two refetches
+
+
+async def test_unusable_disk_tier_switches_off(source: CountingStore, tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_bytes(b"")
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=blocker, disk_bytes=1 << 20
+    ) as cache:
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        stats = cache.stats()
+        assert not stats.disk.enabled
+        assert stats.disk.errors == 1
+
+
+async def test_disk_tier_vanishing_mid_run(source: CountingStore, tmp_path: Path) -> None:
+    directory = tmp_path / "cache"
+    async with TieredCache(
+        source, memory_bytes=15 * KiB, disk_dir=directory, disk_bytes=1 << 20
+    ) as cache:
+        await cache.get("obj/001")
+        subprocess.run(["rm", "-rf", str(directory)], check=True)
+        directory.write_bytes(b"")  # a file where the directory was: nothing can be written
+        for i in range(10):
+            assert await cache.get(f"obj/{i:03d}") == bytes([i]) * 10 * KiB
+        assert not cache.stats().disk.enabled
+
+
+async def test_full_disk_tier_stays_within_budget(source: CountingStore, tmp_path: Path) -> None:
+    budget = 120 * KiB
+    async with TieredCache(source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=budget) as cache:
+        for i in range(20):
+            await cache.get(f"obj/{i:03d}")
+    tier = DiskTier(tmp_path, budget)
+    try:
+        assert tier.used_bytes() <= budget
+        assert 0 < tier.entry_count() < 20
+        files = list(tmp_path.glob("*/*.entry"))
+        assert len(files) == tier.entry_count()
+        on_disk = sum(f.stat().st_size for f in files)
+        assert on_disk + tier._db_bytes() <= budget
+    finally:
+        tier.close()
+
+
+async def test_pins_survive_recency(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=35 * KiB) as cache:
+        cache.pin(["obj/000"])
+        await cache.get("obj/000")
+        for i in range(1, 10):
+            await cache.get(f"obj/{i:03d}")
+        before = len(source.gets)
+        await cache.get("obj/000")
+        assert len(source.gets) == before
+        cache.unpin(["obj/000"])
+        for i in range(1, 10):
+            await cache.get(f"obj/{i:03d}")
+        await cache.get("obj/000")
+        assert len(source.gets) > before + 9
+
+
+async def test_invalidate_and_clear(source: CountingStore, tmp_path: Path) -> None:
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        await cache.get("obj/001")
+        await source.put("obj/001", b"new")
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB  # validate="none" trusts it
+        await cache.invalidate("obj/001")
+        assert await cache.get("obj/001") == b"new"
+        await cache.clear()
+        await cache.get("obj/001")
+        assert len(source.gets) == 3
+
+
+async def test_warm(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        assert await cache.warm(f"obj/{i:03d}" for i in range(10)) == 10
+        assert len(source.gets) == 10
+        await cache.get("obj/009")
+        assert len(source.gets) == 10
+
+
+async def test_etag_validation_in_memory_store(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=1 << 20, validate="etag", ttl=0) as cache:
+        assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        await source.put("obj/001", b"changed")
+        assert await cache.get("obj/001") == b"changed"
+        assert cache.stats().store.revalidations >= 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"memory_bytes": 0}, "memory_bytes=0"),
+        ({"memory_bytes": 10, "disk_dir": "/tmp/x"}, "needs disk_bytes"),
+        ({"memory_bytes": 10, "disk_bytes": 10}, "without disk_dir"),
+        ({"memory_bytes": 10, "policy": "fifo"}, "policy='fifo'"),
+        ({"memory_bytes": 10, "validate": "always"}, "validate='always'"),
+        ({"memory_bytes": 10, "block_bytes": -1}, "block_bytes=-1"),
+    ],
+)
+async def test_bad_arguments(source: CountingStore, kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        TieredCache(source, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_not_a_store() -> None:
+    with pytest.raises(InvalidArgument, match="not an asyncstore store"):
+        TieredCache("s3://bucket", memory_bytes=10)  # type: ignore[arg-type]
+
+
+async def test_restart_in_a_new_process_finds_the_disk_tier_warm(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    cache_dir = tmp_path / "cache"
+    async with asyncstore.open_store(store_dir) as store:
+        await store.put("a", b"payload-a")
+    script = f"""
+import asyncio, asyncstore
+from asyncstore.cache import TieredCache
+async def main():
+    async with asyncstore.open_store({str(store_dir)!r}) as store, TieredCache(
+        store, memory_bytes=1 << 20, disk_dir={str(cache_dir)!r}, disk_bytes=1 << 20
+    ) as cache:
+        assert await cache.get("a") == b"payload-a"
+        s = cache.stats()
+        print(s.disk.hits, s.store.fetches)
+asyncio.run(main())
+"""
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+        ).stdout.split()
+        for _ in range(2)
+    ]
+    assert outputs == [["0", "1"], ["1", "0"]]
