@@ -17,8 +17,9 @@ from asyncstore import InvalidArgument, NotFound
 from asyncstore.cache import TieredCache
 from asyncstore.cache._disk import DiskTier
 from asyncstore.stores import MemoryStore, drop_memory_store
+from asyncstore.testing import SeaweedFS
 
-from .conftest import unique
+from .conftest import BUCKET, s3_options, unique
 
 pytestmark = pytest.mark.anyio
 
@@ -295,3 +296,19 @@ asyncio.run(main())
         for _ in range(2)
     ]
     assert outputs == [["0", "1"], ["1", "0"]]
+
+
+async def test_etag_revalidation_sees_an_overwrite_in_seaweedfs(seaweedfs: SeaweedFS) -> None:
+    url = f"s3://{BUCKET}/{unique()}"
+    async with asyncstore.open_store(url, **s3_options(seaweedfs)) as store:
+        await store.put("model/config.json", b'{"version": 1}')
+        async with TieredCache(store, memory_bytes=1 << 20, validate="etag", ttl=0.2) as cache:
+            assert await cache.get("model/config.json") == b'{"version": 1}'
+            await store.put("model/config.json", b'{"version": 2}')
+            # Within the ttl the cached copy is trusted without asking the store.
+            assert await cache.get("model/config.json") == b'{"version": 1}'
+            await anyio.sleep(0.3)
+            assert await cache.get("model/config.json") == b'{"version": 2}'
+            stats = cache.stats()
+            assert stats.store.revalidations == 1
+            assert stats.store.fetches == 2

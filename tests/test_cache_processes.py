@@ -1,0 +1,156 @@
+"""The disk tier shared by several processes, one of them killed mid-flight, and disks that
+fill up or turn read-only under the cache."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+import asyncstore
+from asyncstore.cache import TieredCache
+from asyncstore.cache._disk import DiskTier
+
+KiB = 1 << 10
+KEYS = 120
+
+
+def payload(i: int) -> bytes:
+    seed = xxhash.xxh3_128_digest(str(i).encode())
+    return seed * (512 + 64 * (i % 16))  # 8 KiB to 23 KiB
+
+
+WORKER = f"""
+import asyncio, random, sys, xxhash
+import asyncstore
+from asyncstore.cache import TieredCache
+
+def payload(i):
+    seed = xxhash.xxh3_128_digest(str(i).encode())
+    return seed * (512 + 64 * (i % 16))
+
+async def main(store_dir, cache_dir, budget, seed, rounds):
+    rng = random.Random(seed)
+    async with asyncstore.open_store(store_dir) as store, TieredCache(
+        store, memory_bytes=1, disk_dir=cache_dir, disk_bytes=budget
+    ) as cache:
+        for _ in range(rounds):
+            i = rng.randrange({KEYS})
+            if await cache.get(f"k/{{i:03d}}") != payload(i):
+                print("WRONG", i, flush=True)
+                sys.exit(3)
+        s = cache.stats()
+        print("OK", s.disk.hits, s.disk.corrupt, s.store.fetches, int(s.disk.enabled), flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])))
+"""
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    root = tmp_path / "store"
+    for i in range(KEYS):
+        path = root / "k" / f"{i:03d}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(payload(i))
+    return root
+
+
+def spawn(store: Path, cache: Path, budget: int, seed: int, rounds: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, str(store), str(cache), str(budget), str(seed), str(rounds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    budget = 600 * KiB  # about a third of the dataset: constant eviction across processes
+    victim = spawn(dataset, cache, budget, seed=99, rounds=100_000)
+    workers = [spawn(dataset, cache, budget, seed=s, rounds=600) for s in range(4)]
+    time.sleep(2.0)
+    victim.send_signal(signal.SIGKILL)  # somewhere in a read, a write or an eviction
+    victim.communicate(timeout=30)
+    # A temp file as a killed writer leaves it (its pid is gone), to be cleaned up.
+    shard = cache / "00"
+    shard.mkdir(exist_ok=True)
+    (shard / f".tmp-{victim.pid}-deadbeefcafe").write_bytes(b"partial")
+    late = [spawn(dataset, cache, budget, seed=s, rounds=300) for s in range(10, 12)]
+    for proc in workers + late:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        status, _hits, corrupt, _fetches, enabled = out.split()
+        assert status == "OK"
+        assert corrupt == "0"
+        assert enabled == "1"
+    tier = DiskTier(cache, budget)  # opening cleans leftovers of dead processes
+    try:
+        assert tier.used_bytes() <= budget
+        assert not list(cache.glob("*/.tmp-*"))
+        served = 0
+        for i in range(KEYS):
+            entry = tier.read(f"k/{i:03d}")  # raises IntegrityError on a damaged entry
+            if entry is not None:
+                assert entry[0] == payload(i)
+                served += 1
+        assert served > 0
+        files = list(cache.glob("*/*.entry"))
+        assert sum(f.stat().st_size for f in files) <= budget
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path) -> Iterator[Path]:
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}); needs root")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.anyio
+async def test_full_disk_switches_the_tier_off(dataset: Path, tiny_fs: Path) -> None:
+    async with (
+        asyncstore.open_store(dataset) as store,
+        TieredCache(store, memory_bytes=1, disk_dir=tiny_fs, disk_bytes=100 << 20) as cache,
+    ):
+        for i in range(KEYS):
+            assert await cache.get(f"k/{i:03d}") == payload(i)
+        stats = cache.stats()
+        assert not stats.disk.enabled  # ENOSPC long before the 100 MiB budget
+        assert stats.disk.errors >= 1
+        assert stats.store.fetches >= KEYS - stats.disk.hits
+
+
+@pytest.mark.anyio
+async def test_read_only_disk_switches_the_tier_off(dataset: Path, tiny_fs: Path) -> None:
+    async with asyncstore.open_store(dataset) as store:
+        async with TieredCache(
+            store, memory_bytes=1, disk_dir=tiny_fs, disk_bytes=80 * KiB
+        ) as cache:
+            await cache.get("k/000")
+        subprocess.run(["mount", "-o", "remount,ro", str(tiny_fs)], check=True)
+        async with TieredCache(
+            store, memory_bytes=1, disk_dir=tiny_fs, disk_bytes=80 * KiB
+        ) as cache:
+            for i in range(10):
+                assert await cache.get(f"k/{i:03d}") == payload(i)
+            assert not cache.stats().disk.enabled
