@@ -30,6 +30,7 @@ from ..stores._base import Store
 from ..stores._keys import check_key, check_range
 from ._disk import DiskTier
 from ._memory import MemoryTier
+from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
 
 logger = logging.getLogger("asyncstore.cache")
@@ -68,7 +69,10 @@ class TieredCache:
             ``None`` for no disk tier.
         disk_bytes: the disk tier's hard budget (entries plus index); required with
             ``disk_dir``.
-        policy: ``"lru"`` evicts the least recently used entry.
+        policy: ``"lru"`` evicts the least recently used entry; ``"plan"`` evicts the entry
+            whose next use in the plan (see :meth:`plan`) lies farthest ahead, and does not
+            admit one that would be evicted before its next use. The policy governs the
+            memory tier; the disk tier, shared by processes with different plans, stays LRU.
         validate: ``"none"`` trusts cached entries forever (immutable datasets);
             ``"etag"`` re-checks an object's ETag with ``stat`` after ``ttl`` seconds and
             refetches it if it changed.
@@ -88,7 +92,7 @@ class TieredCache:
         memory_bytes: int,
         disk_dir: str | os.PathLike[str] | None = None,
         disk_bytes: int | None = None,
-        policy: Literal["lru"] = "lru",
+        policy: Literal["lru", "plan"] = "lru",
         validate: Literal["none", "etag"] = "none",
         ttl: float = DEFAULT_TTL,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
@@ -106,14 +110,17 @@ class TieredCache:
             )
         if disk_dir is None and disk_bytes is not None:
             raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
-        if policy != "lru":
-            raise InvalidArgument(f"policy={policy!r}: the policies are 'lru'")
+        if policy not in ("lru", "plan"):
+            raise InvalidArgument(f"policy={policy!r}: the policies are 'lru' and 'plan'")
         if validate not in ("none", "etag"):
             raise InvalidArgument(f"validate={validate!r}: use 'none' or 'etag'")
         if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0:
             raise InvalidArgument(f"ttl={ttl!r}: pass a number of seconds >= 0")
         self._store = store
-        self._memory = MemoryTier(memory_bytes)
+        self._policy = policy
+        self._memory: MemoryTier | PlanTier = (
+            PlanTier(memory_bytes) if policy == "plan" else MemoryTier(memory_bytes)
+        )
         self._disk_dir = disk_dir
         self._disk_bytes = disk_bytes
         self._disk: DiskTier | None = None
@@ -395,6 +402,21 @@ class TieredCache:
                 for key in keys:
                     tg.start_soon(one, key)
         return count
+
+    def plan(self, keys: Iterable[str]) -> None:
+        """Append ``keys`` to the plan of upcoming reads (``policy="plan"``).
+
+        Call it with the epoch's order ahead of reading, whole or in successive pieces; the
+        prefetcher does this by itself. Keys not in the plan count as not needed again.
+
+        Raises:
+            InvalidArgument: the cache was not created with ``policy="plan"``.
+        """
+        if not isinstance(self._memory, PlanTier):
+            raise InvalidArgument(
+                f"plan() needs a cache created with policy='plan' (this one is {self._policy!r})"
+            )
+        self._memory.extend(check_key(key, self._store.url) for key in keys)
 
     def pin(self, keys: Iterable[str]) -> None:
         """Keep ``keys`` in memory regardless of recency (from when they are next read)."""

@@ -1,0 +1,187 @@
+"""Plan-aware eviction: evict the entry whose next use lies farthest ahead.
+
+Recency (LRU) thrashes when a dataset larger than the cache is read every epoch: by the time
+a sample comes back it has been evicted. A training job knows its future reads, though: the
+epoch plan. Given the upcoming order of keys, this tier applies Belady's rule — evict the
+entry needed farthest in the future — and does not admit an entry that would itself be the
+first to go, which for equal-sized entries is the offline optimum (Belady, "A study of
+replacement algorithms for a virtual-storage computer", IBM Systems Journal, 1966).
+
+The plan may be given in pieces (``extend``), so a plan of ten million keys never needs to
+sit in memory at once; keys beyond what is known count as "not needed again".
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+
+_NEVER = float("inf")
+
+
+class PlanTier:
+    """A byte-budgeted map that evicts by next use in a known plan of keys.
+
+    Same interface as :class:`~asyncstore.cache._memory.MemoryTier`, plus :meth:`extend`.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._values: dict[str, bytes] = {}
+        self._pins: set[str] = set()
+        self._uses: dict[str, deque[int]] = {}  # key -> upcoming plan positions, ascending
+        self._planned = 0  # positions handed out so far
+        # Max-heap of (-next use, tiebreak, key) over unpinned entries; stale items (whose
+        # next use changed or whose key left) are skipped when popped.
+        self._heap: list[tuple[float, int, str]] = []
+        self._next: dict[str, float] = {}
+        self._tiebreak = 0
+        self.used = 0
+        self.pinned_used = 0
+        self.evictions = 0
+        self.bypassed = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    # -- the plan ----------------------------------------------------------------------------
+
+    def extend(self, keys: Iterable[str]) -> None:
+        """Append ``keys`` to the plan of upcoming reads."""
+        for key in keys:
+            uses = self._uses.get(key)
+            if uses is None:
+                uses = self._uses[key] = deque()
+            uses.append(self._planned)
+            self._planned += 1
+            if key in self._values and key not in self._pins and self._next[key] == _NEVER:
+                self._schedule(key)
+
+    def _consume(self, key: str) -> None:
+        # This read is the key's nearest planned use: it is served now.
+        uses = self._uses.get(key)
+        if uses:
+            uses.popleft()
+            if not uses:
+                del self._uses[key]
+
+    def _next_use(self, key: str) -> float:
+        uses = self._uses.get(key)
+        return uses[0] if uses else _NEVER
+
+    def _schedule(self, key: str) -> None:
+        when = self._next_use(key)
+        self._next[key] = when
+        self._tiebreak += 1
+        heapq.heappush(self._heap, (-when, self._tiebreak, key))
+
+    def _farthest(self) -> str | None:
+        while self._heap:
+            negative, _, key = self._heap[0]
+            if key in self._values and key not in self._pins and self._next.get(key) == -negative:
+                return key
+            heapq.heappop(self._heap)
+        return None
+
+    # -- the map -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        """The value, or ``None``; a hit consumes the key's nearest planned use."""
+        value = self._values.get(key)
+        self._consume(key)
+        if value is not None and key not in self._pins:
+            self._schedule(key)
+        return value
+
+    def put(self, key: str, value: bytes) -> bool:
+        """Insert ``key`` unless it would be the first entry to be evicted; False if not."""
+        size = len(value)
+        self.discard(key)
+        pinned = key in self._pins
+        if self.pinned_used + size > self.budget:
+            self.bypassed += 1
+            return False
+        mine = self._next_use(key)
+        victims: list[str] = []
+        free = self.budget - self.used
+        # Choose victims farthest-first without evicting yet: if the new entry is needed
+        # later than some victim would be, keeping the cache as it is was better.
+        skipped: list[tuple[float, int, str]] = []
+        while free < size:
+            victim = self._farthest()
+            if victim is None:
+                break
+            entry = heapq.heappop(self._heap)
+            if not pinned and self._next[victim] <= mine:
+                skipped.append(entry)
+                break
+            skipped.append(entry)
+            victims.append(victim)
+            free += len(self._values[victim])
+        if free < size:
+            for entry in skipped:
+                heapq.heappush(self._heap, entry)
+            self.bypassed += 1
+            return False
+        for victim in victims:
+            old = self._values.pop(victim)
+            self._next.pop(victim, None)
+            self.used -= len(old)
+            self.evictions += 1
+        for entry in skipped:
+            if entry[2] not in victims:
+                heapq.heappush(self._heap, entry)
+        self._values[key] = value
+        self.used += size
+        if pinned:
+            self.pinned_used += size
+        else:
+            self._schedule(key)
+        return True
+
+    def discard(self, key: str) -> None:
+        """Remove ``key`` if present."""
+        value = self._values.pop(key, None)
+        if value is not None:
+            self.used -= len(value)
+            if key in self._pins:
+                self.pinned_used -= len(value)
+            self._next.pop(key, None)
+
+    def clear(self) -> None:
+        """Remove every entry; the plan and pins stay."""
+        self._values.clear()
+        self._heap.clear()
+        self._next.clear()
+        self.used = self.pinned_used = 0
+
+    def pin(self, keys: Iterable[str]) -> None:
+        """Never evict ``keys`` (from now, or from when they arrive)."""
+        for key in keys:
+            if key not in self._pins:
+                self._pins.add(key)
+                if key in self._values:
+                    self.pinned_used += len(self._values[key])
+                    self._next.pop(key, None)
+
+    def unpin(self, keys: Iterable[str]) -> None:
+        """Let ``keys`` be evicted by next use again."""
+        for key in keys:
+            if key in self._pins:
+                self._pins.discard(key)
+                if key in self._values:
+                    self.pinned_used -= len(self._values[key])
+                    self._schedule(key)
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        """The keys currently pinned (cached or not)."""
+        return frozenset(self._pins)
+
+    def keys_by_recency(self) -> list[str]:
+        """Cached keys (in no particular order: this tier does not track recency)."""
+        return list(self._values)
