@@ -15,8 +15,8 @@ Why SQLite for the index: several processes insert and evict at once, and the bu
 number for all of them. A transaction (``BEGIN IMMEDIATE``) makes "account for the new entry,
 pick victims oldest-first, delete their rows" atomic across processes; the files themselves
 are published by ``rename`` and removed after the commit. Hits do not touch the index on the
-read path: last-access times are batched and written with the next insert or every
-``_TOUCH_BATCH`` hits.
+read path: last-access times are batched and written with the next insert or when
+``TOUCH_BATCH`` are pending.
 
 Every method here blocks; the cache calls them in worker threads.
 """
@@ -24,6 +24,7 @@ Every method here blocks; the cache calls them in worker threads.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import sqlite3
@@ -40,7 +41,16 @@ _MAGIC = b"ASCE"
 _VERSION = 1
 # magic, version, payload length, payload xxh3-64, key length, etag length
 _HEADER = struct.Struct("<4sHQQHH")
-_TOUCH_BATCH = 256
+TOUCH_BATCH = 256
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+class WouldBlock:
+    """The type of :data:`WOULD_BLOCK`."""
+
+
+WOULD_BLOCK = WouldBlock()
+"""Returned by :meth:`DiskTier.read_cached` when serving the entry would wait for the disk."""
 _STALE_TMP_SECONDS = 3600.0
 
 
@@ -53,6 +63,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._touched: dict[str, float] = {}
         self.evictions = 0
+        self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self.directory.mkdir(parents=True, exist_ok=True)
         self._db_path = self.directory / "index.sqlite"
         self._db = sqlite3.connect(
@@ -96,23 +107,61 @@ class DiskTier:
             OSError: the directory cannot be read.
         """
         name = self.name_for(key)
-        path = self.path_for(name)
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open(self.path_for(name), "rb", buffering=0) as f:
                 raw = f.readall()
         except FileNotFoundError:
             return None
         try:
-            payload, etag = _decode(raw, key)
+            return self._accept(name, raw, key)
         except IntegrityError:
             self._remove(name)
             raise
+
+    def read_cached(self, key: str) -> tuple[bytes, str | None] | WouldBlock | None:
+        """Like :meth:`read`, but only from the page cache, never waiting for the disk.
+
+        Safe to call on the event loop: it returns :data:`WOULD_BLOCK` instead of waiting
+        for a read (Linux ``preadv2(RWF_NOWAIT)``), so the caller can retry in a thread.
+        Opening the file is done inline: a cached directory entry makes that microseconds.
+        A damaged entry raises :class:`IntegrityError` without being removed (removal
+        writes the index): call :meth:`remove` from a thread.
+        """
+        if not self._nowait:
+            return WOULD_BLOCK
+        name = self.name_for(key)
+        try:
+            fd = os.open(self.path_for(name), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            buffer = bytearray(size)
+            try:
+                got = os.preadv(fd, [buffer], 0, _RWF_NOWAIT)
+            except BlockingIOError:
+                return WOULD_BLOCK
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    self._nowait = False  # this file system or kernel cannot: use threads
+                    return WOULD_BLOCK
+                raise
+        finally:
+            os.close(fd)
+        if got != size:
+            return WOULD_BLOCK  # only part of it is in the page cache
+        return self._accept(name, buffer, key)
+
+    def _accept(self, name: str, raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
+        payload, etag = _decode(raw, key)
         with self._lock:
             self._touched[name] = time.time()
-            flush = len(self._touched) >= _TOUCH_BATCH
-        if flush:
-            self._flush_touches()
         return payload, etag
+
+    @property
+    def touches_pending(self) -> int:
+        """Access times waiting to be written to the index (see :meth:`flush_touches`)."""
+        return len(self._touched)
 
     # -- write -------------------------------------------------------------------------------
 
@@ -134,7 +183,7 @@ class DiskTier:
                 view = memoryview(data)
                 while view:
                     view = view[f.write(view) :]
-            self._flush_touches()
+            self.flush_touches()
             victims = self._admit(name, size)
             if victims is None:
                 return False
@@ -248,14 +297,25 @@ class DiskTier:
                 size += os.stat(f"{self._db_path}{suffix}").st_size
         return size
 
-    def _flush_touches(self) -> None:
+    def flush_touches(self) -> None:
+        """Write batched access times to the index (blocks)."""
         with self._lock:
             touched, self._touched = self._touched, {}
-            if touched:
+            if not touched:
+                return
+            # One transaction for the batch: in autocommit each UPDATE would be its own
+            # commit, a WAL append apiece, with the lock that every reader needs held.
+            self._db.execute("BEGIN")
+            try:
                 self._db.executemany(
                     "UPDATE entries SET atime = ? WHERE name = ?",
                     [(atime, name) for name, atime in touched.items()],
                 )
+                self._db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    self._db.execute("ROLLBACK")
+                raise
 
     def clean_leftovers(self) -> None:
         """Remove what crashed writers left: temp files of dead processes (or very old ones),
@@ -288,7 +348,7 @@ class DiskTier:
     def close(self) -> None:
         """Write pending access times and close the index."""
         with contextlib.suppress(sqlite3.Error):
-            self._flush_touches()
+            self.flush_touches()
         self._db.close()
 
 
@@ -306,7 +366,7 @@ def _encode(key: str, payload: bytes, etag: str | None) -> bytes:
     return b"".join((header, key_bytes, etag_bytes, payload))
 
 
-def _decode(raw: bytes, key: str) -> tuple[bytes, str | None]:
+def _decode(raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
     if len(raw) < _HEADER.size:
         raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
     magic, version, length, digest, key_len, etag_len = _HEADER.unpack_from(raw)
@@ -319,11 +379,11 @@ def _decode(raw: bytes, key: str) -> tuple[bytes, str | None]:
         )
     if raw[_HEADER.size : _HEADER.size + key_len] != key.encode():
         raise IntegrityError(f"cache entry for {key!r} belongs to another key")
-    payload = raw[start:]
-    if xxhash.xxh3_64_intdigest(payload) != digest:
+    view = memoryview(raw)[start:]
+    if xxhash.xxh3_64_intdigest(view) != digest:
         raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
-    etag = raw[_HEADER.size + key_len : start].decode() or None
-    return payload, etag
+    etag = bytes(raw[_HEADER.size + key_len : start]).decode() or None
+    return bytes(view), etag
 
 
 def _alive(pid: int) -> bool:

@@ -18,9 +18,9 @@ import os
 import sqlite3
 import time
 import warnings
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from types import TracebackType
-from typing import Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -28,7 +28,7 @@ import anyio.to_thread
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
-from ._disk import DiskTier
+from ._disk import TOUCH_BATCH, WOULD_BLOCK, DiskTier, WouldBlock
 from ._memory import MemoryTier
 from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
@@ -130,6 +130,7 @@ class TieredCache:
         self._limiter = anyio.CapacityLimiter(DISK_THREADS)
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._flushing = False
         # validate="etag": ETag of each cached entry, and the last checked ETag per object.
         self._entry_etags: dict[str, str | None] = {}
         self._checked: dict[str, tuple[str | None, float]] = {}
@@ -254,12 +255,23 @@ class TieredCache:
             return value
         self._mem_stats.misses += 1
         future = self._inflight.get(cache_key)
+        if future is None and self._disk is not None and self._validate == "none":
+            # A disk hit from the page cache needs no fetch task: serve it right here.
+            try:
+                hit = self._read_cached(self._disk, cache_key)
+            except (IntegrityError, OSError):
+                hit = WOULD_BLOCK  # the full path below counts and handles it
+            if hit is not None and not isinstance(hit, WouldBlock):
+                data = hit[0]
+                self._disk_stats.hits += 1
+                self._disk_stats.bytes_served += len(data)
+                if not self._memory.put(cache_key, data):
+                    self._mem_stats.bypassed += 1
+                return data
         if future is None:
             future = asyncio.get_running_loop().create_future()
             self._inflight[cache_key] = future
-            task = asyncio.ensure_future(self._fill(cache_key, key, load, future))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._background(self._fill(cache_key, key, load, future))
         # shield: a caller cancelled while waiting must not cancel the fetch other callers
         # (or the cache) are waiting on.
         return await asyncio.shield(future)
@@ -292,7 +304,7 @@ class TieredCache:
     ) -> tuple[bytes, str | None, bool]:
         disk = self._disk
         if disk is not None:
-            hit = await self._disk_call(disk.read, cache_key)
+            hit = await self._disk_read(disk, cache_key)
             if hit is not None:
                 payload, etag = hit
                 if self._validate == "none" or etag == await self._current_etag(key):
@@ -352,6 +364,44 @@ class TieredCache:
         return info.etag
 
     # -- the disk tier -----------------------------------------------------------------------
+
+    async def _disk_read(self, disk: DiskTier, cache_key: str) -> tuple[bytes, str | None] | None:
+        # A thread hop costs more than reading a small entry from the page cache (about
+        # 500 us against 20 us on the benchmark machine), so try that inline first; it
+        # never waits for the disk.
+        try:
+            hit = self._read_cached(disk, cache_key)
+        except IntegrityError as exc:
+            self._disk_stats.corrupt += 1
+            logger.warning("dropped a damaged disk cache entry: %s", exc)
+            await self._disk_call(disk.remove, cache_key)
+            return None
+        except OSError as exc:
+            self._disable_disk(exc)
+            return None
+        if isinstance(hit, WouldBlock):
+            return await self._disk_call(disk.read, cache_key)
+        return hit
+
+    def _read_cached(
+        self, disk: DiskTier, cache_key: str
+    ) -> tuple[bytes, str | None] | WouldBlock | None:
+        hit = disk.read_cached(cache_key)
+        if disk.touches_pending >= TOUCH_BATCH and not self._flushing:
+            self._flushing = True
+            self._background(self._flush_touches(disk))
+        return hit
+
+    async def _flush_touches(self, disk: DiskTier) -> None:
+        try:
+            await self._disk_call(disk.flush_touches)
+        finally:
+            self._flushing = False
+
+    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _disk_call(self, func: Callable[..., T], *args: object) -> T | None:
         try:
