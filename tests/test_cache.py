@@ -146,8 +146,8 @@ async def test_corrupt_disk_entries_are_dropped_and_refetched(
         await cache.get("obj/003")
         await cache.get("obj/004")
     entry3 = DiskTier(tmp_path, 1 << 20)
-    path3 = entry3.path_for(entry3.name_for("obj/003"))
-    path4 = entry3.path_for(entry3.name_for("obj/004"))
+    path3 = Path(entry3.path_for(entry3.name_for("obj/003")))
+    path4 = Path(entry3.path_for(entry3.name_for("obj/004")))
     entry3.close()
     raw = bytearray(path3.read_bytes())
     raw[-100] ^= 0x01  # one flipped bit in the payload

@@ -65,6 +65,9 @@ class DiskTier:
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._root = str(self.directory)
+        self._shards: set[str] = set()  # shard directories known to exist
+        self._pid = os.getpid()
         self._db_path = self.directory / "index.sqlite"
         self._db = sqlite3.connect(
             self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
@@ -93,9 +96,10 @@ class DiskTier:
         """The entry name of a cache key."""
         return xxhash.xxh3_128_hexdigest(key.encode())
 
-    def path_for(self, name: str) -> Path:
+    def path_for(self, name: str) -> str:
         """Where the entry ``name`` lives."""
-        return self.directory / name[:2] / f"{name}.entry"
+        # Plain strings: this runs for every read and write, and pathlib costs microseconds.
+        return f"{self._root}/{name[:2]}/{name}.entry"
 
     # -- read --------------------------------------------------------------------------------
 
@@ -170,68 +174,103 @@ class DiskTier:
 
         Returns False when the entry cannot fit the budget at all.
         """
-        name = self.name_for(key)
-        data = _encode(key, payload, etag)
-        size = len(data)
-        if size > self.budget:
-            return False
-        final = self.path_for(name)
-        final.parent.mkdir(exist_ok=True)
-        tmp = final.parent / f".tmp-{os.getpid()}-{secrets.token_hex(6)}"
+        return self.write_many([(key, payload, etag)])[0]
+
+    def write_many(self, items: list[tuple[str, bytes, str | None]]) -> list[bool]:
+        """Store several entries with one index transaction; one result per item.
+
+        Batching matters: the transaction and the thread hop that carries this call cost
+        more than writing a small entry's file.
+        """
+        staged: list[tuple[str, str, str, int] | None] = []
+        results = [False] * len(items)
         try:
-            with open(tmp, "xb", buffering=0) as f:
-                view = memoryview(data)
-                while view:
-                    view = view[f.write(view) :]
+            for key, payload, etag in items:
+                name = self.name_for(key)
+                data = _encode(key, payload, etag)
+                if len(data) > self.budget:
+                    staged.append(None)
+                    continue
+                final = self.path_for(name)
+                shard = name[:2]
+                if shard not in self._shards:
+                    os.makedirs(f"{self._root}/{shard}", exist_ok=True)
+                    self._shards.add(shard)
+                tmp = f"{self._root}/{shard}/.tmp-{self._pid}-{secrets.token_hex(6)}"
+                staged.append((name, tmp, final, len(data)))
+                with open(tmp, "xb", buffering=0) as f:
+                    view = memoryview(data)
+                    while view:
+                        view = view[f.write(view) :]
             self.flush_touches()
-            victims = self._admit(name, size)
-            if victims is None:
-                return False
-            os.rename(tmp, final)
+            wanted = [(s[0], s[3]) for s in staged if s is not None]
+            admitted, victims = self._admit(wanted)
+            index = 0
+            for position, stage in enumerate(staged):
+                if stage is None:
+                    continue
+                if admitted[index]:
+                    os.rename(stage[1], stage[2])
+                    results[position] = True
+                index += 1
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            for stage in staged:
+                if stage is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(stage[1])
         for victim in victims:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path_for(victim))
-        return True
+        return results
 
-    def _admit(self, name: str, size: int) -> list[str] | None:
-        """Account for ``name`` in the index, choosing victims; None if it cannot fit."""
+    def _admit(self, wanted: list[tuple[str, int]]) -> tuple[list[bool], list[str]]:
+        """Account for entries in the index, oldest entries evicted to make room.
+
+        One transaction for the batch; returns which entries fit and the evicted names.
+        """
+        admitted: list[bool] = []
+        victims: list[str] = []
         with self._lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
                 # The index file counts against the budget too.
                 limit = self.budget - self._db_bytes()
-                old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                total -= old[0] if old else 0
-                if size > limit:
-                    db.execute("ROLLBACK")
-                    return None
-                victims: list[str] = []
-                if total + size > limit:
-                    rows = db.execute(
-                        "SELECT name, size FROM entries WHERE name != ? ORDER BY atime", (name,)
-                    )
-                    for victim, victim_size in rows:
-                        victims.append(victim)
-                        total -= victim_size
-                        if total + size <= limit:
-                            break
-                    db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in victims])
-                db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?)", (name, size, time.time())
-                )
-                db.execute("UPDATE total SET bytes = ?", (total + size,))
+                for name, size in wanted:
+                    old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
+                    total -= old[0] if old else 0
+                    if old:
+                        db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                    if size > limit:
+                        admitted.append(False)
+                        continue
+                    if total + size > limit:
+                        # Lazily, oldest first: only as many rows as needed are read.
+                        rows = db.execute("SELECT name, size FROM entries ORDER BY atime")
+                        chosen = []
+                        for victim, victim_size in rows:
+                            chosen.append(victim)
+                            total -= victim_size
+                            if total + size <= limit:
+                                break
+                        db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in chosen])
+                        victims += chosen
+                    db.execute("INSERT INTO entries VALUES (?, ?, ?)", (name, size, time.time()))
+                    total += size
+                    admitted.append(True)
+                db.execute("UPDATE total SET bytes = ?", (total,))
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
             self.evictions += len(victims)
-        return victims
+        # An entry admitted early in the batch may have been evicted by a later one: it
+        # must not be published, and its older file (if any) goes with the victims.
+        gone = set(victims)
+        fits = [ok and name not in gone for ok, (name, _) in zip(admitted, wanted, strict=True)]
+        return fits, victims
 
     # -- remove ------------------------------------------------------------------------------
 

@@ -48,6 +48,10 @@ within a minute at the cost of one ``stat`` per object per minute."""
 DISK_THREADS = 8
 """Worker threads doing disk-tier I/O at once: enough to keep an NVMe queue busy."""
 
+WRITE_QUEUE_BYTES = 256 * MiB
+"""Fetched bytes waiting to be written to the disk tier; past this, writes are skipped (the
+reads they came from have been served already) rather than let memory grow."""
+
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
 
@@ -131,6 +135,9 @@ class TieredCache:
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._flushing = False
+        self._writing = False
+        self._pending: list[tuple[str, bytes, str | None]] = []
+        self._pending_bytes = 0
         # validate="etag": ETag of each cached entry, and the last checked ETag per object.
         self._entry_etags: dict[str, str | None] = {}
         self._checked: dict[str, tuple[str | None, float]] = {}
@@ -297,7 +304,7 @@ class TieredCache:
         self._inflight.pop(cache_key, None)
         future.set_result(data)
         if from_store and self._disk is not None:
-            await self._disk_call(self._disk.write, cache_key, data, etag)
+            self._queue_write(cache_key, data, etag)
 
     async def _load(
         self, cache_key: str, key: str, load: _Loader
@@ -391,6 +398,26 @@ class TieredCache:
             self._flushing = True
             self._background(self._flush_touches(disk))
         return hit
+
+    def _queue_write(self, cache_key: str, data: bytes, etag: str | None) -> None:
+        # Writes go to disk in batches, one thread hop and one index transaction each: per
+        # entry, both cost more than writing a small entry's file.
+        if self._pending_bytes + len(data) > WRITE_QUEUE_BYTES:
+            self._disk_stats.bypassed += 1  # the disk cannot keep up: skip, it is a cache
+            return
+        self._pending.append((cache_key, data, etag))
+        self._pending_bytes += len(data)
+        if not self._writing:
+            self._writing = True
+            self._background(self._write_pending())
+
+    async def _write_pending(self) -> None:
+        try:
+            while self._pending and self._disk is not None:
+                batch, self._pending, self._pending_bytes = self._pending, [], 0
+                await self._disk_call(self._disk.write_many, batch)
+        finally:
+            self._writing = False
 
     async def _flush_touches(self, disk: DiskTier) -> None:
         try:
