@@ -34,6 +34,7 @@ test: lint typecheck pytest
 
 bench: setup
 	$(BIN)/python benchmarks/bench_store.py
+	$(BIN)/python benchmarks/bench_cache.py
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache .hypothesis
