@@ -37,11 +37,13 @@ class CountingStore(MemoryStore):
 
     async def _get(self, key: str, start: int, end: int | None) -> bytes:
         self.gets.append((key, start, end))
-        if self.delay:
-            await anyio.sleep(self.delay)
         if self.fail is not None:
+            await anyio.sleep(self.delay)
             raise self.fail
-        return await super()._get(key, start, end)
+        # Read, then wait: like a server that answered and a network that is slow.
+        data = await super()._get(key, start, end)
+        await anyio.sleep(self.delay)
+        return data
 
 
 @pytest.fixture
@@ -235,6 +237,23 @@ async def test_invalidate_and_clear(source: CountingStore, tmp_path: Path) -> No
         assert len(source.gets) == 3
 
 
+async def test_invalidate_drops_cached_blocks_on_disk(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await source.put("big", b"a" * 64 * KiB)
+    async with TieredCache(
+        source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20, block_bytes=16 * KiB
+    ) as cache:
+        assert await cache.get("big", 0, 40 * KiB) == b"a" * 40 * KiB
+    await source.put("big", b"b" * 64 * KiB)
+    async with TieredCache(
+        source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20, block_bytes=16 * KiB
+    ) as cache:
+        assert await cache.get("big", 0, 40 * KiB) == b"a" * 40 * KiB  # trusted: validate="none"
+        await cache.invalidate("big")
+        assert await cache.get("big", 0, 40 * KiB) == b"b" * 40 * KiB
+
+
 async def test_warm(source: CountingStore) -> None:
     async with TieredCache(source, memory_bytes=1 << 20) as cache:
         assert await cache.warm(f"obj/{i:03d}" for i in range(10)) == 10
@@ -312,3 +331,43 @@ async def test_etag_revalidation_sees_an_overwrite_in_seaweedfs(seaweedfs: Seawe
             stats = cache.stats()
             assert stats.store.revalidations == 1
             assert stats.store.fetches == 2
+
+
+async def test_caches_with_other_block_sizes_share_a_disk_tier(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    data = os.urandom(16 * KiB)
+    await source.put("shared", data)
+    async with TieredCache(
+        source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20, block_bytes=8 * KiB
+    ) as cache:
+        assert await cache.get("shared", 0, 16 * KiB) == data
+    async with TieredCache(
+        source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20, block_bytes=4 * KiB
+    ) as cache:
+        assert await cache.get("shared", 4 * KiB, 4 * KiB + 4) == data[4 * KiB : 4 * KiB + 4]
+        assert await cache.get("shared", 9000, 13000) == data[9000:13000]
+
+
+async def test_invalidate_during_a_fetch_keeps_nothing_stale(source: CountingStore) -> None:
+    source.delay = 0.2
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        reading = asyncio.ensure_future(cache.get("obj/001"))
+        await asyncio.sleep(0.05)
+        await source.put("obj/001", b"new")
+        await cache.invalidate("obj/001")
+        assert await reading == bytes([1]) * 10 * KiB  # that read began before the change
+        source.delay = 0
+        assert await cache.get("obj/001") == b"new"
+
+
+def test_replacement_too_large_leaves_no_stale_entry(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 256 * KiB)
+    try:
+        assert tier.write("k", b"old" * 100, None)
+        assert not tier.write("k", b"x" * (250 * KiB), None)  # fits the budget, not the limit
+        assert tier.read("k") is None
+        assert tier.entry_count() == 0
+        assert not list(tmp_path.glob("*/*.entry"))
+    finally:
+        tier.close()

@@ -13,12 +13,13 @@ served: it is dropped and counted, and the caller refetches.
 
 Why SQLite for the index: several processes insert and evict at once, and the budget is one
 number for all of them. A transaction (``BEGIN IMMEDIATE``) makes "account for the new entry,
-pick victims oldest-first, delete their rows" atomic across processes; the files themselves
-are published by ``rename`` and removed after the commit. Hits do not touch the index on the
-read path: last-access times are batched and written with the next insert or when
-``TOUCH_BATCH`` are pending.
+pick victims oldest-first, delete their rows" atomic across processes, and files are renamed
+into place and unlinked inside that transaction, under SQLite's write lock, so the index and
+the files change together. Hits do not touch the index on the read path: last-access times
+are batched and written with the next insert or when ``TOUCH_BATCH`` are pending.
 
-Every method here blocks; the cache calls them in worker threads.
+Every method here blocks, except :meth:`DiskTier.read_cached`, which is safe on an event
+loop; the cache calls the others in worker threads.
 """
 
 from __future__ import annotations
@@ -60,7 +61,11 @@ class DiskTier:
     def __init__(self, directory: str | os.PathLike[str], budget: int) -> None:
         self.directory = Path(directory)
         self.budget = budget
-        self._lock = threading.Lock()
+        # Two locks: _db_lock serialises this process's use of the SQLite connection (and may
+        # be held while SQLite waits for another process); _touch_lock only guards the batch
+        # of access times, so the inline read path on the event loop never waits on SQLite.
+        self._db_lock = threading.Lock()
+        self._touch_lock = threading.Lock()
         self._touched: dict[str, float] = {}
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
@@ -77,6 +82,11 @@ class DiskTier:
         # checksum protects every read).
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
+        # Keep the write-ahead log small and bounded: it counts against the budget.
+        self._wal_reserve = min(4 << 20, budget // 8)
+        self._db.execute(f"PRAGMA journal_size_limit={self._wal_reserve}")
+        # Checkpoint before the log outgrows that reserve (SQLite's default waits for 4 MB).
+        self._db.execute(f"PRAGMA wal_autocheckpoint={max(16, self._wal_reserve // 4096)}")
         self._db.executescript(
             """
             CREATE TABLE IF NOT EXISTS entries (
@@ -93,8 +103,15 @@ class DiskTier:
 
     @staticmethod
     def name_for(key: str) -> str:
-        """The entry name of a cache key."""
-        return xxhash.xxh3_128_hexdigest(key.encode())
+        """The entry name of a cache key.
+
+        A block of an object (cache key ``"key\\x00index"``) is named after the object's
+        hash plus ``-index``: all blocks of one object then sort together in the index (and
+        share its shard), so :meth:`remove` finds them without a scan.
+        """
+        base, sep, index = key.partition("\x00")
+        digest = xxhash.xxh3_128_hexdigest(base.encode())
+        return f"{digest}-{index}" if sep else digest
 
     def path_for(self, name: str) -> str:
         """Where the entry ``name`` lives."""
@@ -158,7 +175,7 @@ class DiskTier:
 
     def _accept(self, name: str, raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
         payload, etag = _decode(raw, key)
-        with self._lock:
+        with self._touch_lock:
             self._touched[name] = time.time()
         return payload, etag
 
@@ -181,105 +198,122 @@ class DiskTier:
 
         Batching matters: the transaction and the thread hop that carries this call cost
         more than writing a small entry's file.
+
+        Files are renamed into place and victims unlinked *inside* the transaction, which
+        holds SQLite's write lock: no other process can evict, remove or re-admit an entry
+        between its row changing and its file changing, so the index and the files agree.
         """
-        staged: list[tuple[str, str, str, int] | None] = []
+        staged: list[tuple[str, str, str, int]] = []
         results = [False] * len(items)
+        positions: list[int] = []
         try:
-            for key, payload, etag in items:
+            for position, (key, payload, etag) in enumerate(items):
                 name = self.name_for(key)
                 data = _encode(key, payload, etag)
                 if len(data) > self.budget:
-                    staged.append(None)
                     continue
-                final = self.path_for(name)
                 shard = name[:2]
                 if shard not in self._shards:
                     os.makedirs(f"{self._root}/{shard}", exist_ok=True)
                     self._shards.add(shard)
                 tmp = f"{self._root}/{shard}/.tmp-{self._pid}-{secrets.token_hex(6)}"
-                staged.append((name, tmp, final, len(data)))
+                staged.append((name, tmp, self.path_for(name), len(data)))
+                positions.append(position)
                 with open(tmp, "xb", buffering=0) as f:
                     view = memoryview(data)
                     while view:
                         view = view[f.write(view) :]
             self.flush_touches()
-            wanted = [(s[0], s[3]) for s in staged if s is not None]
-            admitted, victims = self._admit(wanted)
-            index = 0
-            for position, stage in enumerate(staged):
-                if stage is None:
-                    continue
-                if admitted[index]:
-                    os.rename(stage[1], stage[2])
-                    results[position] = True
-                index += 1
+            for position, published in zip(positions, self._publish(staged), strict=True):
+                results[position] = published
         finally:
-            for stage in staged:
-                if stage is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(stage[1])
-        for victim in victims:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path_for(victim))
+            for _, tmp, _, _ in staged:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         return results
 
-    def _admit(self, wanted: list[tuple[str, int]]) -> tuple[list[bool], list[str]]:
-        """Account for entries in the index, oldest entries evicted to make room.
-
-        One transaction for the batch; returns which entries fit and the evicted names.
-        """
-        admitted: list[bool] = []
-        victims: list[str] = []
-        with self._lock:
+    def _publish(self, staged: list[tuple[str, str, str, int]]) -> list[bool]:
+        """Admit staged files under the budget, evicting oldest entries; one transaction."""
+        published = [False] * len(staged)
+        renamed: list[str] = []
+        with self._db_lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
-                # The index file counts against the budget too.
-                limit = self.budget - self._db_bytes()
+                limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                for name, size in wanted:
+                admitted: dict[str, int] = {}  # name -> position in staged
+                doomed: set[str] = set()  # names whose file must go (evicted or replaced)
+                for position, (name, _, _, size) in enumerate(staged):
                     old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
-                    total -= old[0] if old else 0
                     if old:
+                        total -= old[0]
                         db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                        doomed.add(name)
+                        admitted.pop(name, None)
                     if size > limit:
-                        admitted.append(False)
                         continue
                     if total + size > limit:
                         # Lazily, oldest first: only as many rows as needed are read.
-                        rows = db.execute("SELECT name, size FROM entries ORDER BY atime")
                         chosen = []
-                        for victim, victim_size in rows:
+                        for victim, victim_size in db.execute(
+                            "SELECT name, size FROM entries ORDER BY atime"
+                        ):
                             chosen.append(victim)
                             total -= victim_size
                             if total + size <= limit:
                                 break
                         db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in chosen])
-                        victims += chosen
+                        for victim in chosen:
+                            doomed.add(victim)
+                            admitted.pop(victim, None)  # evicted by a later one of this batch
+                        self.evictions += len(chosen)
                     db.execute("INSERT INTO entries VALUES (?, ?, ?)", (name, size, time.time()))
                     total += size
-                    admitted.append(True)
+                    admitted[name] = position
                 db.execute("UPDATE total SET bytes = ?", (total,))
+                for name in doomed - admitted.keys():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path_for(name))
+                for position in admitted.values():
+                    _, tmp, final, _ = staged[position]
+                    os.rename(tmp, final)
+                    renamed.append(final)
+                    published[position] = True
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
+                # Rolled back: files published in this batch have no rows any more.
+                for final in renamed:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(final)
                 raise
-            self.evictions += len(victims)
-        # An entry admitted early in the batch may have been evicted by a later one: it
-        # must not be published, and its older file (if any) goes with the victims.
-        gone = set(victims)
-        fits = [ok and name not in gone for ok, (name, _) in zip(admitted, wanted, strict=True)]
-        return fits, victims
+        return published
+
+    def _limit(self) -> int:
+        # The index counts against the budget, and its write-ahead log grows after this
+        # measurement, up to journal_size_limit: reserve that much.
+        return self.budget - self._db_bytes() - self._wal_reserve
 
     # -- remove ------------------------------------------------------------------------------
 
     def remove(self, key: str) -> None:
-        """Drop the entry for ``key`` if there is one."""
-        self._remove(self.name_for(key))
+        """Drop the entry for ``key``, and every cached block of it, if there are any."""
+        name = self.name_for(key)
+        with self._db_lock:
+            # Block names are "<name>-<index>": '-' < '.' makes this a range on the key.
+            blocks = [
+                row[0]
+                for row in self._db.execute(
+                    "SELECT name FROM entries WHERE name > ? AND name < ?", (name + "-", name + ".")
+                )
+            ]
+        for each in [name, *blocks]:
+            self._remove(each)
 
     def _remove(self, name: str) -> None:
-        with self._lock:
+        with self._db_lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
@@ -287,22 +321,26 @@ class DiskTier:
                 if row:
                     db.execute("DELETE FROM entries WHERE name = ?", (name,))
                     db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
+                # Inside the transaction, like publishing: see write_many.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path_for(name))
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
+        with self._touch_lock:
             self._touched.pop(name, None)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path_for(name))
 
     def clear(self) -> None:
         """Remove every entry (of every process)."""
-        with self._lock:
+        with self._db_lock:
             db = self._db
             db.execute("BEGIN IMMEDIATE")
             try:
-                names = [row[0] for row in db.execute("SELECT name FROM entries")]
+                for (name,) in db.execute("SELECT name FROM entries").fetchall():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path_for(name))
                 db.execute("DELETE FROM entries")
                 db.execute("UPDATE total SET bytes = 0")
                 db.execute("COMMIT")
@@ -310,22 +348,20 @@ class DiskTier:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
                 raise
+        with self._touch_lock:
             self._touched.clear()
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path_for(name))
 
     # -- bookkeeping -------------------------------------------------------------------------
 
     def used_bytes(self) -> int:
         """Bytes the tier accounts for: entries plus its index."""
-        with self._lock:
+        with self._db_lock:
             (total,) = self._db.execute("SELECT bytes FROM total").fetchone()
             return int(total) + self._db_bytes()
 
     def entry_count(self) -> int:
         """How many entries the index holds."""
-        with self._lock:
+        with self._db_lock:
             (count,) = self._db.execute("SELECT COUNT(*) FROM entries").fetchone()
             return int(count)
 
@@ -338,12 +374,13 @@ class DiskTier:
 
     def flush_touches(self) -> None:
         """Write batched access times to the index (blocks)."""
-        with self._lock:
+        with self._touch_lock:
             touched, self._touched = self._touched, {}
-            if not touched:
-                return
+        if not touched:
+            return
+        with self._db_lock:
             # One transaction for the batch: in autocommit each UPDATE would be its own
-            # commit, a WAL append apiece, with the lock that every reader needs held.
+            # commit, a WAL append apiece.
             self._db.execute("BEGIN")
             try:
                 self._db.executemany(
@@ -360,7 +397,7 @@ class DiskTier:
         """Remove what crashed writers left: temp files of dead processes (or very old ones),
         and entry files the index does not know (their bytes would escape the budget)."""
         now = time.time()
-        with self._lock:
+        with self._db_lock:
             known = {row[0] for row in self._db.execute("SELECT name FROM entries")}
         for shard in self.directory.iterdir():
             if not shard.is_dir() or len(shard.name) != 2:
@@ -388,7 +425,8 @@ class DiskTier:
         """Write pending access times and close the index."""
         with contextlib.suppress(sqlite3.Error):
             self.flush_touches()
-        self._db.close()
+        with self._db_lock:  # after any call still running in another thread
+            self._db.close()
 
 
 def _encode(key: str, payload: bytes, etag: str | None) -> bytes:

@@ -105,6 +105,15 @@ class MemoryTier:
         """The keys currently pinned (cached or not)."""
         return frozenset(self._pins)
 
+    def peek(self, key: str) -> bytes | None:
+        """The value without marking it used; ``None`` if absent."""
+        value = self._lru.get(key)
+        return value if value is not None else self._pinned.get(key)
+
+    def keys(self) -> list[str]:
+        """Every cached key, pinned ones included."""
+        return [*self._lru, *self._pinned]
+
     def keys_by_recency(self) -> list[str]:
         """Unpinned keys, least recently used first (for tests and introspection)."""
         return list(self._lru)

@@ -75,9 +75,20 @@ class PlanTier:
 
     def _schedule(self, key: str) -> None:
         when = self._next_use(key)
+        if self._next.get(key) == when and key in self._values:
+            return  # its heap item is still current
         self._next[key] = when
         self._tiebreak += 1
         heapq.heappush(self._heap, (-when, self._tiebreak, key))
+        if len(self._heap) > 2 * len(self._values) + 64:
+            # Stale items pile up between evictions on a hit-heavy run: rebuild from the
+            # current next uses so the heap stays proportional to the entries.
+            self._heap = [
+                (-self._next[k], i, k)
+                for i, k in enumerate(self._values)
+                if k not in self._pins and k in self._next
+            ]
+            heapq.heapify(self._heap)
 
     def _farthest(self) -> str | None:
         while self._heap:
@@ -181,6 +192,14 @@ class PlanTier:
     def pinned(self) -> frozenset[str]:
         """The keys currently pinned (cached or not)."""
         return frozenset(self._pins)
+
+    def peek(self, key: str) -> bytes | None:
+        """The value without consuming a planned use; ``None`` if absent."""
+        return self._values.get(key)
+
+    def keys(self) -> list[str]:
+        """Every cached key, pinned ones included."""
+        return list(self._values)
 
     def keys_by_recency(self) -> list[str]:
         """Cached keys (in no particular order: this tier does not track recency)."""

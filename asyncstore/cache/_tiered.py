@@ -138,6 +138,7 @@ class TieredCache:
         self._writing = False
         self._pending: list[tuple[str, bytes, str | None]] = []
         self._pending_bytes = 0
+        self._generations: dict[str, int] = {}  # bumped by invalidate()
         # validate="etag": ETag of each cached entry, and the last checked ETag per object.
         self._entry_etags: dict[str, str | None] = {}
         self._checked: dict[str, tuple[str | None, float]] = {}
@@ -180,12 +181,12 @@ class TieredCache:
         if self._state == "closed":
             return
         self._state = "closed"
-        tasks = list(self._tasks)
-        if tasks:
-            # Let fetches and disk writes finish: a cancelled write would only waste the
-            # fetch, and every task is bounded by the store's own timeouts.
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*tasks, return_exceptions=True)
+        # Let fetches and disk writes finish: a cancelled write would only waste the fetch,
+        # and every task is bounded by the store's own timeouts. A finishing fetch may queue
+        # a write task: wait until none is left.
+        with anyio.CancelScope(shield=True):
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
         disk, self._disk = self._disk, None
         if disk is not None:
             with anyio.CancelScope(shield=True):
@@ -217,7 +218,7 @@ class TieredCache:
         return await self._get_range(key, first, last)
 
     async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
-        whole = self._memory.get(key)
+        whole = self._memory.peek(key)
         if whole is not None and await self._fresh(key, key):
             self._count_memory_hit(whole, end, start)
             return whole[start:end]
@@ -252,7 +253,8 @@ class TieredCache:
             etag = await self._current_etag(key)
             return await self._fetch_store(key, index * size, (index + 1) * size), etag
 
-        return await self._lookup(f"{key}\x00{index}", key, load)
+        # The block size is part of the key: processes sharing a disk tier may use others.
+        return await self._lookup(f"{key}\x00{size}.{index}", key, load)
 
     async def _lookup(self, cache_key: str, key: str, load: _Loader) -> bytes:
         value = self._memory.get(cache_key)
@@ -286,6 +288,7 @@ class TieredCache:
     async def _fill(
         self, cache_key: str, key: str, load: _Loader, future: asyncio.Future[bytes]
     ) -> None:
+        generation = self._generations.get(key, 0)
         try:
             data, etag, from_store = await self._load(cache_key, key, load)
         except BaseException as exc:
@@ -297,12 +300,14 @@ class TieredCache:
             if not isinstance(exc, Exception):
                 raise
             return
+        self._inflight.pop(cache_key, None)
+        future.set_result(data)
+        if self._generations.get(key, 0) != generation:
+            return  # invalidated while fetching: serve the readers, keep nothing
         if self._validate == "etag":
             self._entry_etags[cache_key] = etag
         if not self._memory.put(cache_key, data):
             self._mem_stats.bypassed += 1
-        self._inflight.pop(cache_key, None)
-        future.set_result(data)
         if from_store and self._disk is not None:
             self._queue_write(cache_key, data, etag)
 
@@ -452,9 +457,19 @@ class TieredCache:
                 self._store.url,
             )
         disk, self._disk = self._disk, None
+        self._pending, self._pending_bytes = [], 0
         if disk is not None:
+            # Closing waits for the index lock, which a worker thread may hold for a while:
+            # never on the event loop.
+            self._background(self._close_disk(disk))
+
+    async def _close_disk(self, disk: DiskTier) -> None:
+        def close() -> None:
             with contextlib.suppress(OSError, sqlite3.Error):
                 disk.close()
+
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(close)
 
     # -- management --------------------------------------------------------------------------
 
@@ -506,11 +521,17 @@ class TieredCache:
     async def invalidate(self, key: str) -> None:
         """Forget ``key`` (and its cached blocks) in every tier; the next read refetches it."""
         key = check_key(key, self._store.url)
-        doomed = [k for k in self._memory.keys_by_recency() if k.split("\x00", 1)[0] == key]
+        # Fetches of this key still under way must not put the old bytes back.
+        self._generations[key] = self._generations.get(key, 0) + 1
+        doomed = [k for k in self._memory.keys() if k.split("\x00", 1)[0] == key]  # noqa: SIM118
         for cache_key in [key, *doomed]:
             self._memory.discard(cache_key)
             self._entry_etags.pop(cache_key, None)
         self._checked.pop(key, None)
+        kept = [item for item in self._pending if item[0].split("\x00", 1)[0] != key]
+        if len(kept) != len(self._pending):
+            self._pending = kept
+            self._pending_bytes = sum(len(item[1]) for item in kept)
         if self._disk is not None:
             await self._disk_call(self._disk.remove, key)
 
