@@ -11,6 +11,9 @@ Open a store by URL and move bytes::
 
 from __future__ import annotations
 
+# prefetch
+from ._prefetch import Prefetcher, PrefetchStats
+
 # cache
 from .cache import CacheStats, StoreFetchStats, TieredCache, TierStats
 
@@ -61,6 +64,9 @@ __all__ = [
     "CacheStats",
     "TierStats",
     "StoreFetchStats",
+    # prefetch
+    "Prefetcher",
+    "PrefetchStats",
     # errors
     "AsyncStoreError",
     "InvalidArgument",

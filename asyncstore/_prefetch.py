@@ -1,0 +1,293 @@
+"""The lookahead prefetch scheduler: keep the next items in flight before they are asked for.
+
+A training loop that reads small objects one at a time waits a full round trip per item. The
+:class:`Prefetcher` walks the plan of keys ahead of the consumer, keeping a window of fetches
+in flight — bounded by items, bytes and requests — and yields results in exactly the plan's
+order. With ``lookahead="auto"`` it sizes the window itself: deeper after the consumer had to
+wait, shallower while ready items pile up unread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from types import TracebackType
+from typing import Literal, Self
+
+import msgspec
+
+from .cache import TieredCache
+from .cache._plan import PlanTier
+from .cache._stats import LatencyWindow
+from .errors import InvalidArgument, StoreClosed
+from .stores._base import Store
+
+__all__ = ["Prefetcher", "PrefetchStats"]
+
+MiB = 1 << 20
+
+AUTO_START = 8
+"""Initial depth with ``lookahead="auto"``: a few round trips' worth of small objects."""
+
+PLAN_AHEAD = 4096
+"""Keys read from the plan ahead of the fetch window, to tell a plan-aware cache what comes
+next. Bounded, so a plan of ten million keys is never held whole."""
+
+# Fetches started before any item's size is known (see _fill).
+_FIRST_FETCHES = 4
+
+# A consumer wait shorter than this is scheduling noise, not a stall.
+_STALL_SECONDS = 0.0005
+
+
+class PrefetchStats(msgspec.Struct):
+    """A snapshot of a :class:`Prefetcher`'s counters.
+
+    Attributes:
+        items: items yielded to the consumer.
+        skipped: items skipped after an error (``on_error="skip"``).
+        fetched: fetches started.
+        stalls: items the consumer had to wait for.
+        stall_fraction: ``stalls / items``.
+        wait_seconds: total time the consumer spent waiting.
+        wait_p50, wait_p95, wait_p99: per-item consumer wait, seconds, recent items.
+        accuracy: fetched items that were consumed, over fetched items.
+        depth: the current lookahead depth.
+    """
+
+    items: int
+    skipped: int
+    fetched: int
+    stalls: int
+    stall_fraction: float
+    wait_seconds: float
+    wait_p50: float
+    wait_p95: float
+    wait_p99: float
+    accuracy: float
+    depth: int
+
+
+class Prefetcher:
+    """Yield ``(key, data)`` for every key of a plan, in order, fetching ahead.
+
+    Args:
+        source: a store or a :class:`~asyncstore.TieredCache` to read from.
+        keys: the plan: any iterable or async iterable of keys, consumed lazily.
+        lookahead: items kept fetched or in flight ahead of the consumer, or ``"auto"`` to
+            adapt it (start at 8; double after a stall; shrink by one while more than half
+            the window sits ready and unread).
+        max_inflight: fetches in flight at once (S3 clients degrade beyond about 32).
+        max_bytes: fetched bytes held ahead of the consumer; no new fetch starts beyond it.
+        on_error: ``"raise"`` raises a failed key's error when the consumer reaches it;
+            ``"skip"`` skips the key and counts it.
+
+    Use it as an async context manager and iterate it; leaving the loop early, an error or
+    a cancellation stops every fetch in flight.
+    """
+
+    def __init__(
+        self,
+        source: Store | TieredCache,
+        keys: Iterable[str] | AsyncIterable[str],
+        *,
+        lookahead: int | Literal["auto"] = "auto",
+        max_inflight: int = 32,
+        max_bytes: int = 256 * MiB,
+        on_error: Literal["raise", "skip"] = "raise",
+    ) -> None:
+        if not isinstance(source, Store | TieredCache):
+            raise InvalidArgument(f"source={source!r} is neither a store nor a TieredCache")
+        if not isinstance(keys, Iterable | AsyncIterable) or isinstance(keys, str | bytes):
+            raise InvalidArgument(
+                f"keys={keys!r}: pass an iterable or async iterable of keys, not a single key"
+            )
+        if lookahead != "auto" and (
+            isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1
+        ):
+            raise InvalidArgument(f"lookahead={lookahead!r}: pass a positive int or 'auto'")
+        for name, value in (("max_inflight", max_inflight), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+        if on_error not in ("raise", "skip"):
+            raise InvalidArgument(f"on_error={on_error!r}: use 'raise' or 'skip'")
+        self._source = source
+        self._keys: Iterator[str] | AsyncIterator[str] = (
+            aiter(keys) if isinstance(keys, AsyncIterable) else iter(keys)
+        )
+        self._auto = lookahead == "auto"
+        self._depth = AUTO_START if lookahead == "auto" else int(lookahead)
+        self._max_depth = 4096
+        self._max_inflight = max_inflight
+        self._max_bytes = max_bytes
+        self._skip = on_error == "skip"
+        self._plan_cache: TieredCache | None = None
+        if isinstance(source, TieredCache) and isinstance(source._memory, PlanTier):
+            self._plan_cache = source
+        self._ahead: deque[str] = deque()  # keys read from the plan, not yet fetched
+        self._window: deque[tuple[str, asyncio.Task[bytes]]] = deque()
+        self._exhausted = False
+        self._ready_bytes = 0
+        self._avg_size: float | None = None
+        self._state = "new"
+        self._items = self._skipped = self._fetched = self._stalls = 0
+        self._wait = 0.0
+        self._waits = LatencyWindow()
+        self._over = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        if self._state == "closed":
+            raise StoreClosed("this Prefetcher is closed; create a new one")
+        self._state = "open"
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop every fetch in flight and drop what was fetched ahead; closing twice is fine."""
+        self._state = "closed"
+        window, self._window = self._window, deque()
+        for _, task in window:
+            task.cancel()
+        if window:
+            await asyncio.gather(*(task for _, task in window), return_exceptions=True)
+        self._ahead.clear()
+        self._ready_bytes = 0
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> tuple[str, bytes]:
+        if self._state == "new":
+            self._state = "open"
+        elif self._state == "closed":
+            raise StopAsyncIteration
+        while True:
+            await self._fill()
+            if not self._window:
+                await self.aclose()
+                raise StopAsyncIteration
+            key, task = self._window[0]
+            waited = 0.0
+            if task.done():
+                self._over += 1
+            else:
+                started = time.perf_counter()
+                await asyncio.wait([task])
+                waited = time.perf_counter() - started
+                self._wait += waited
+                if waited > _STALL_SECONDS:
+                    self._stalls += 1
+                    self._grow()
+            self._waits.add(waited)
+            self._window.popleft()
+            self._adapt()
+            try:
+                data = task.result()
+            except Exception:
+                if self._skip:
+                    self._skipped += 1
+                    continue
+                await self.aclose()
+                raise
+            self._ready_bytes -= len(data)
+            self._items += 1
+            return key, data
+
+    async def _next_key(self) -> str | None:
+        if not self._ahead and not self._exhausted:
+            await self._read_plan()
+        return self._ahead.popleft() if self._ahead else None
+
+    async def _read_plan(self) -> None:
+        # Read a slice of the plan ahead and tell a plan-aware cache about it.
+        batch: list[str] = []
+        want = PLAN_AHEAD if self._plan_cache is not None else max(64, self._depth)
+        keys = self._keys
+        try:
+            while len(batch) < want:
+                if isinstance(keys, AsyncIterator):
+                    batch.append(await anext(keys))
+                else:
+                    batch.append(next(keys))
+        except (StopIteration, StopAsyncIteration):
+            self._exhausted = True
+        if batch and self._plan_cache is not None:
+            self._plan_cache.plan(batch)
+        self._ahead.extend(batch)
+
+    async def _fill(self) -> None:
+        # Start fetches until the window is as deep as wanted, or a bound says stop.
+        while len(self._window) < self._depth and self._ready_bytes < self._max_bytes:
+            inflight = sum(not task.done() for _, task in self._window)
+            if inflight >= self._max_inflight:
+                break
+            # Bytes in flight count against max_bytes at the average item size seen so far;
+            # until one item has arrived, sizes are unknown: start only a few fetches.
+            if self._avg_size is None:
+                if inflight >= _FIRST_FETCHES:
+                    break
+            elif self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
+                break
+            key = await self._next_key()
+            if key is None:
+                break
+            self._fetched += 1
+            task = asyncio.ensure_future(self._fetch(key))
+            self._window.append((key, task))
+
+    async def _fetch(self, key: str) -> bytes:
+        data = await self._source.get(key)
+        self._ready_bytes += len(data)
+        size = len(data)
+        self._avg_size = size if self._avg_size is None else 0.8 * self._avg_size + 0.2 * size
+        return data
+
+    # -- adaptive depth ----------------------------------------------------------------------
+
+    def _grow(self) -> None:
+        if self._auto:
+            self._depth = min(self._max_depth, self._depth * 2)
+            self._over = 0
+
+    def _adapt(self) -> None:
+        # Shrink slowly while more than half the window is ready and unread: the consumer is
+        # the bottleneck, and the extra depth only holds memory.
+        if not self._auto or self._depth <= 1:
+            return
+        ready = sum(task.done() for _, task in self._window)
+        if ready * 2 > self._depth and self._over >= 64:
+            self._depth -= 1
+            self._over = 0
+
+    # -- stats -------------------------------------------------------------------------------
+
+    def stats(self) -> PrefetchStats:
+        """A snapshot of the counters."""
+        p50, p95, p99 = self._waits.percentiles()
+        consumed = self._items + self._skipped
+        return PrefetchStats(
+            items=self._items,
+            skipped=self._skipped,
+            fetched=self._fetched,
+            stalls=self._stalls,
+            stall_fraction=self._stalls / self._items if self._items else 0.0,
+            wait_seconds=self._wait,
+            wait_p50=p50,
+            wait_p95=p95,
+            wait_p99=p99,
+            accuracy=consumed / self._fetched if self._fetched else 0.0,
+            depth=self._depth,
+        )
