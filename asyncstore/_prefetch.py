@@ -272,6 +272,10 @@ class Prefetcher:
             self._depth -= 1
             self._over = 0
 
+    def head_ready(self) -> bool:
+        """Whether the next item can be yielded without waiting."""
+        return bool(self._window) and self._window[0][1].done()
+
     # -- stats -------------------------------------------------------------------------------
 
     def stats(self) -> PrefetchStats:

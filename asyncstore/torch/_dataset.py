@@ -1,0 +1,294 @@
+"""StreamingDataset: a PyTorch ``IterableDataset`` over a store, cached and prefetched."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar
+
+import msgspec
+import torch.distributed as dist
+import xxhash
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .._loop import run_sync
+from .._prefetch import Prefetcher, PrefetchStats
+from ..cache import CacheStats, TieredCache
+from ..errors import InvalidArgument
+from ..stores import LocalStore, S3Store, Store, open_store
+
+T = TypeVar("T")
+
+__all__ = ["StreamingDataset", "DatasetStats"]
+
+MiB = 1 << 20
+
+# Items handed over per trip to the background loop: each trip costs a thread hop, which is
+# worth amortising over several ready items.
+_BATCH = 64
+
+
+class DatasetStats(msgspec.Struct):
+    """Figures of this process's part of a :class:`StreamingDataset` epoch.
+
+    Attributes:
+        samples: samples yielded by this process.
+        prefetch: the scheduler's figures (waits, stalls, accuracy, depth).
+        cache: the cache's figures (hit rate per tier, store latency), or None before use.
+    """
+
+    samples: int
+    prefetch: PrefetchStats | None
+    cache: CacheStats | None
+
+
+def _store_options(store: Store) -> dict[str, Any]:
+    # Workers reopen the store from its URL and options: a live client never crosses a
+    # process boundary (async clients inherited across fork hang).
+    if isinstance(store, S3Store | LocalStore):
+        return dict(msgspec.structs.asdict(store.config))
+    return {}
+
+
+class StreamingDataset(IterableDataset[T], Generic[T]):
+    """Stream a dataset's objects from a store, through a tiered cache and prefetch.
+
+    Args:
+        source: a URL prefix (``"s3://bucket/train/"``, a local directory) or an open store.
+        keys: the objects to read, relative to ``source``; by default ``source`` is listed
+            once (and the listing kept in ``cache_dir``, so a restart does not list again).
+        cache_dir: a local directory for the disk tier, shared by the node's processes.
+        memory_bytes: memory tier budget per process.
+        disk_bytes: disk tier budget (with ``cache_dir``); default 64 GiB.
+        shuffle, seed: a fresh deterministic order per epoch from ``seed`` and the epoch.
+        decode: ``decode(key, data) -> sample``, run in the worker; default: the bytes.
+        lookahead, max_inflight: the prefetcher's depth and requests in flight.
+        rank, world_size: this process's shard; default from ``torch.distributed``.
+        batch_size: set to the DataLoader's ``batch_size`` so that, with workers, the stream
+            comes out in exactly the plan's order (workers take whole batches in turn); that
+            makes mid-epoch resume exact.
+        store_options: options for ``open_store`` when ``source`` is a URL.
+
+    Every sample is read exactly once per epoch across ranks and workers. Ranks get equal
+    lengths (``ceil(N / world_size)``): the last shard is padded by repeating samples from
+    the start of the epoch's order, as DDP needs every rank to step the same number of times.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Store,
+        *,
+        keys: Sequence[str] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        memory_bytes: int = 512 * MiB,
+        disk_bytes: int | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        decode: Callable[[str, bytes], T] | None = None,
+        lookahead: int | Literal["auto"] = "auto",
+        max_inflight: int = 32,
+        rank: int | None = None,
+        world_size: int | None = None,
+        batch_size: int = 1,
+        store_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(source, Store):
+            self._url = source.url
+            self._options = _store_options(source)
+        elif isinstance(source, str | os.PathLike):
+            self._url = os.fspath(source)
+            self._options = dict(store_options or {})
+            open_store(self._url, **self._options)  # checks the URL and options now
+        else:
+            raise InvalidArgument(f"source={source!r}: pass a URL, a local path or a store")
+        for name, value in (("memory_bytes", memory_bytes), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+        if (rank is None) != (world_size is None):
+            raise InvalidArgument("pass rank and world_size together, or neither")
+        if world_size is not None and rank is not None and not 0 <= rank < world_size:
+            raise InvalidArgument(f"rank={rank} is not in range(world_size={world_size})")
+        self._cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
+        self._memory_bytes = memory_bytes
+        self._disk_bytes = disk_bytes if disk_bytes is not None else 64 << 30
+        self._shuffle = shuffle
+        self._seed = seed
+        self._decode = decode
+        self._lookahead = lookahead
+        self._max_inflight = max_inflight
+        self._rank = rank
+        self._world = world_size
+        self._batch = batch_size
+        self._epoch = 0
+        self._skip = 0  # samples of this rank's epoch already consumed (resume)
+        self._yielded = 0
+        self._last: DatasetStats | None = None
+        self._keys = list(keys) if keys is not None else self._listing()
+        if not self._keys:
+            raise InvalidArgument(f"{self._url} holds no objects to read")
+
+    # -- the plan ----------------------------------------------------------------------------
+
+    def _listing(self) -> list[str]:
+        path = None
+        if self._cache_dir is not None:
+            digest = xxhash.xxh3_64_hexdigest(self._url.encode())
+            path = Path(self._cache_dir) / f"listing-{digest}.json"
+            if path.exists():
+                listed: list[str] = json.loads(path.read_text())
+                return listed
+
+        async def list_all() -> list[str]:
+            async with open_store(self._url, **self._options) as store:
+                return sorted([info.key async for info in store.list()])
+
+        keys = run_sync(list_all())
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(keys))
+            os.replace(tmp, path)
+        return keys
+
+    def __len__(self) -> int:
+        """Samples per epoch for this rank (padded: equal across ranks)."""
+        _, world = self._shard()
+        return math.ceil(len(self._keys) / world)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration follows."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
+        if epoch != self._epoch:
+            self._skip = 0
+        self._epoch = epoch
+
+    def _shard(self) -> tuple[int, int]:
+        if self._rank is not None and self._world is not None:
+            return self._rank, self._world
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def plan(self, epoch: int | None = None) -> list[str]:
+        """This rank's keys for ``epoch`` (default: the current one), in stream order."""
+        epoch = self._epoch if epoch is None else epoch
+        order = list(range(len(self._keys)))
+        if self._shuffle:
+            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+        rank, world = self._shard()
+        per_rank = math.ceil(len(order) / world)
+        padded = order + order[: per_rank * world - len(order)]
+        return [self._keys[i] for i in padded[rank::world]]
+
+    # -- resume ------------------------------------------------------------------------------
+
+    def state_dict(self, consumed: int | None = None) -> dict[str, int]:
+        """The position to resume from: the epoch and the samples of it this rank consumed.
+
+        With ``num_workers=0`` the dataset counts them itself; with workers, pass
+        ``consumed`` (batches consumed times batch size) from the training loop.
+        """
+        done = self._skip + self._yielded if consumed is None else consumed
+        return {"epoch": self._epoch, "consumed": done, "seed": self._seed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume: the next iteration continues the epoch after ``state["consumed"]``."""
+        try:
+            epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        except (KeyError, TypeError, ValueError):
+            raise InvalidArgument(
+                f"state {state!r} is not a StreamingDataset state_dict()"
+            ) from None
+        if state.get("seed", self._seed) != self._seed:
+            raise InvalidArgument(
+                f"state was saved with seed={state['seed']}, this dataset has seed={self._seed}"
+            )
+        if consumed % self._batch:
+            raise InvalidArgument(
+                f"consumed={consumed} is not a multiple of batch_size={self._batch}"
+            )
+        self._epoch, self._skip = epoch, consumed
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def _worker_keys(self) -> list[str]:
+        remaining = self.plan()[self._skip :]
+        info = get_worker_info()
+        if info is None:
+            return remaining
+        # Workers take whole batches in turn, as the DataLoader asks them for batches in turn:
+        # with batch_size matching the DataLoader's, the stream keeps the plan's order.
+        size, workers = self._batch, info.num_workers
+        return [
+            key
+            for start in range(info.id * size, len(remaining), size * workers)
+            for key in remaining[start : start + size]
+        ]
+
+    def __iter__(self) -> Iterator[T]:
+        keys = self._worker_keys()
+        self._yielded = 0
+        session = run_sync(self._open(keys))
+        try:
+            while True:
+                items = run_sync(session.next_batch(_BATCH))
+                if not items:
+                    break
+                for key, data in items:
+                    self._yielded += 1
+                    yield self._decode(key, data) if self._decode else data  # type: ignore[misc]
+        finally:
+            self._last = run_sync(session.close())
+
+    async def _open(self, keys: list[str]) -> _Session:
+        store = open_store(self._url, **self._options)
+        await store.__aenter__()
+        cache = TieredCache(
+            store,
+            memory_bytes=self._memory_bytes,
+            disk_dir=self._cache_dir,
+            disk_bytes=self._disk_bytes if self._cache_dir is not None else None,
+        )
+        await cache.__aenter__()
+        prefetcher = Prefetcher(
+            cache, keys, lookahead=self._lookahead, max_inflight=self._max_inflight
+        )
+        await prefetcher.__aenter__()
+        return _Session(store, cache, prefetcher)
+
+    def stats(self) -> DatasetStats | None:
+        """Figures of the last iteration in this process (None before one ran)."""
+        return self._last
+
+
+class _Session:
+    """One iteration's store, cache and prefetcher, living on the background loop."""
+
+    def __init__(self, store: Store, cache: TieredCache, prefetcher: Prefetcher) -> None:
+        self.store, self.cache, self.prefetcher = store, cache, prefetcher
+        self.samples = 0
+
+    async def next_batch(self, most: int) -> list[tuple[str, bytes]]:
+        # Wait for the next item, then take whatever else is ready without waiting.
+        items: list[tuple[str, bytes]] = []
+        async for key, data in self.prefetcher:
+            items.append((key, data))
+            if len(items) >= most or not self.prefetcher.head_ready():
+                break
+        self.samples += len(items)
+        return items
+
+    async def close(self) -> DatasetStats:
+        await self.prefetcher.aclose()
+        stats = DatasetStats(
+            samples=self.samples, prefetch=self.prefetcher.stats(), cache=self.cache.stats()
+        )
+        await self.cache.aclose()
+        await self.store.aclose()
+        return stats
