@@ -127,7 +127,11 @@ class Prefetcher:
         if isinstance(source, TieredCache) and isinstance(source._memory, PlanTier):
             self._plan_cache = source
         self._ahead: deque[str] = deque()  # keys read from the plan, not yet fetched
-        self._window: deque[tuple[str, asyncio.Task[bytes]]] = deque()
+        self._window: deque[tuple[str, asyncio.Future[bytes]]] = deque()
+        self._want = 0  # items a take() call wants ready at once
+        self._inflight = 0  # fetch tasks not finished
+        self._refill: asyncio.Future[None] | None = None
+        self._filling = asyncio.Lock()
         self._exhausted = False
         self._ready_bytes = 0
         self._avg_size: float | None = None
@@ -156,11 +160,16 @@ class Prefetcher:
     async def aclose(self) -> None:
         """Stop every fetch in flight and drop what was fetched ahead; closing twice is fine."""
         self._state = "closed"
+        refill, self._refill = self._refill, None
+        if refill is not None and not refill.done():
+            refill.cancel()
+            await asyncio.gather(refill, return_exceptions=True)
         window, self._window = self._window, deque()
         for _, task in window:
             task.cancel()
         if window:
             await asyncio.gather(*(task for _, task in window), return_exceptions=True)
+        self._inflight = 0
         self._ahead.clear()
         self._ready_bytes = 0
 
@@ -204,6 +213,7 @@ class Prefetcher:
                 raise
             self._ready_bytes -= len(data)
             self._items += 1
+            self._refill_soon()
             return key, data
 
     async def _next_key(self) -> str | None:
@@ -228,10 +238,21 @@ class Prefetcher:
             self._plan_cache.plan(batch)
         self._ahead.extend(batch)
 
+    def _refill_soon(self) -> None:
+        # Keep the window full while the consumer works on what it got: without this, new
+        # fetches (and reads of already-local items) would start only at its next call.
+        if self._refill is None or self._refill.done():
+            self._refill = asyncio.ensure_future(self._fill())
+
     async def _fill(self) -> None:
+        async with self._filling:  # one filler at a time: the consumer or the refill task
+            await self._fill_window()
+
+    async def _fill_window(self) -> None:
         # Start fetches until the window is as deep as wanted, or a bound says stop.
-        while len(self._window) < self._depth and self._ready_bytes < self._max_bytes:
-            inflight = sum(not task.done() for _, task in self._window)
+        limit = max(self._depth, self._want)
+        while len(self._window) < limit and self._ready_bytes < self._max_bytes:
+            inflight = self._inflight
             if inflight >= self._max_inflight:
                 break
             # Bytes in flight count against max_bytes at the average item size seen so far;
@@ -245,11 +266,31 @@ class Prefetcher:
             if key is None:
                 break
             self._fetched += 1
-            task = asyncio.ensure_future(self._fetch(key))
-            self._window.append((key, task))
+            data = self._warm(key)
+            if data is not None:
+                # Already local: a finished future, no task and no wait.
+                done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+                done.set_result(data)
+                self._ready_bytes += len(data)
+                self._window.append((key, done))
+                continue
+            self._inflight += 1
+            self._window.append((key, asyncio.ensure_future(self._fetch(key))))
+
+    def _warm(self, key: str) -> bytes | None:
+        if isinstance(self._source, TieredCache):
+            try:
+                return self._source.get_nowait(key)
+            except InvalidArgument:
+                return None  # a bad key: the regular fetch raises it in order
+        return None
 
     async def _fetch(self, key: str) -> bytes:
-        data = await self._source.get(key)
+        # _inflight was counted when the task was created (it may not have started yet).
+        try:
+            data = await self._source.get(key)
+        finally:
+            self._inflight -= 1
         self._ready_bytes += len(data)
         size = len(data)
         self._avg_size = size if self._avg_size is None else 0.8 * self._avg_size + 0.2 * size
@@ -267,10 +308,26 @@ class Prefetcher:
         # the bottleneck, and the extra depth only holds memory.
         if not self._auto or self._depth <= 1:
             return
-        ready = sum(task.done() for _, task in self._window)
+        ready = len(self._window) - self._inflight
         if ready * 2 > self._depth and self._over >= 64:
             self._depth -= 1
             self._over = 0
+
+    async def take(self, most: int) -> list[tuple[str, bytes]]:
+        """Wait for the next item, then add whatever else is ready, up to ``most`` items.
+
+        For consumers that pay per call (a thread hop per call from a sync caller): the
+        window may grow to ``most`` for items that are already local. Returns ``[]`` at the
+        end of the plan.
+        """
+        # Kept after the call: the background refill prepares the next take() as deep.
+        self._want = most
+        items: list[tuple[str, bytes]] = []
+        async for item in self:
+            items.append(item)
+            if len(items) >= most or not self.head_ready():
+                break
+        return items
 
     def head_ready(self) -> bool:
         """Whether the next item can be yielded without waiting."""

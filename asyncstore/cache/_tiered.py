@@ -217,6 +217,39 @@ class TieredCache:
         first, last = check_range(start, end, f"{self._store.url}/{key}")
         return await self._get_range(key, first, last)
 
+    def get_nowait(self, key: str) -> bytes | None:
+        """The whole object if it can be had without waiting, else ``None``.
+
+        Answers from memory, or from the disk tier when the entry is in the page cache;
+        never asks the store. Only with ``validate="none"`` (a revalidation would wait).
+        The prefetcher uses it to serve warm reads without a fetch task each.
+        """
+        if self._state != "open" or self._validate != "none":
+            return None
+        key = check_key(key, self._store.url)
+        value = self._memory.get(key)
+        if value is not None:
+            self._gets += 1
+            self._mem_stats.hits += 1
+            self._mem_stats.bytes_served += len(value)
+            return value
+        if self._disk is None or key in self._inflight:
+            return None
+        try:
+            hit = self._read_cached(self._disk, key)
+        except (IntegrityError, OSError):
+            return None  # the regular path counts and handles it
+        if hit is None or isinstance(hit, WouldBlock):
+            return None
+        data = hit[0]
+        self._gets += 1
+        self._mem_stats.misses += 1
+        self._disk_stats.hits += 1
+        self._disk_stats.bytes_served += len(data)
+        if not self._memory.put(key, data):
+            self._mem_stats.bypassed += 1
+        return data
+
     async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
         whole = self._memory.peek(key)
         if whole is not None and await self._fresh(key, key):

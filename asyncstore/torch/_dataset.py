@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -124,10 +125,12 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._rank = rank
         self._world = world_size
         self._batch = batch_size
-        self._epoch = 0
-        self._skip = 0  # samples of this rank's epoch already consumed (resume)
+        # [epoch, samples of it already consumed] in shared memory: DataLoader workers
+        # (persistent ones too) read the position the main process set, at each iteration.
+        self._position = multiprocessing.RawArray("q", [0, 0])
         self._yielded = 0
         self._last: DatasetStats | None = None
+        self._conn: _Connection | None = None
         self._keys = list(keys) if keys is not None else self._listing()
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
@@ -165,8 +168,16 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
         if epoch != self._epoch:
-            self._skip = 0
-        self._epoch = epoch
+            self._position[1] = 0
+        self._position[0] = epoch
+
+    @property
+    def _epoch(self) -> int:
+        return int(self._position[0])
+
+    @property
+    def _skip(self) -> int:
+        return int(self._position[1])
 
     def _shard(self) -> tuple[int, int]:
         if self._rank is not None and self._world is not None:
@@ -213,7 +224,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             raise InvalidArgument(
                 f"consumed={consumed} is not a multiple of batch_size={self._batch}"
             )
-        self._epoch, self._skip = epoch, consumed
+        self._position[0], self._position[1] = epoch, consumed
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -234,7 +245,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def __iter__(self) -> Iterator[T]:
         keys = self._worker_keys()
         self._yielded = 0
-        session = run_sync(self._open(keys))
+        conn = self._connection()
+        session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
         try:
             while True:
                 items = run_sync(session.next_batch(_BATCH))
@@ -246,7 +258,16 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         finally:
             self._last = run_sync(session.close())
 
-    async def _open(self, keys: list[str]) -> _Session:
+    def _connection(self) -> _Connection:
+        # One store and cache per process, kept across epochs (the memory tier stays warm
+        # with persistent_workers=True), made anew in every worker: a live client never
+        # crosses a process boundary.
+        conn = self._conn
+        if conn is None or conn.pid != os.getpid():
+            conn = self._conn = run_sync(self._open())
+        return conn
+
+    async def _open(self) -> _Connection:
         store = open_store(self._url, **self._options)
         await store.__aenter__()
         cache = TieredCache(
@@ -256,39 +277,57 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             disk_bytes=self._disk_bytes if self._cache_dir is not None else None,
         )
         await cache.__aenter__()
-        prefetcher = Prefetcher(
-            cache, keys, lookahead=self._lookahead, max_inflight=self._max_inflight
-        )
-        await prefetcher.__aenter__()
-        return _Session(store, cache, prefetcher)
+        return _Connection(store, cache)
+
+    def close(self) -> None:
+        """Close this process's store and cache (they reopen if the dataset is iterated)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and conn.pid == os.getpid():
+            run_sync(conn.close())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_conn"] = None  # never pickle a live client into a worker
+        return state
 
     def stats(self) -> DatasetStats | None:
         """Figures of the last iteration in this process (None before one ran)."""
         return self._last
 
 
-class _Session:
-    """One iteration's store, cache and prefetcher, living on the background loop."""
+class _Connection:
+    """A process's store and cache, living on its background loop."""
 
-    def __init__(self, store: Store, cache: TieredCache, prefetcher: Prefetcher) -> None:
-        self.store, self.cache, self.prefetcher = store, cache, prefetcher
+    def __init__(self, store: Store, cache: TieredCache) -> None:
+        self.store, self.cache = store, cache
+        self.pid = os.getpid()
+
+    async def start(
+        self, keys: list[str], lookahead: int | Literal["auto"], inflight: int
+    ) -> _Session:
+        prefetcher = Prefetcher(self.cache, keys, lookahead=lookahead, max_inflight=inflight)
+        await prefetcher.__aenter__()
+        return _Session(self.cache, prefetcher)
+
+    async def close(self) -> None:
+        await self.cache.aclose()
+        await self.store.aclose()
+
+
+class _Session:
+    """One epoch's prefetcher over a process's cache."""
+
+    def __init__(self, cache: TieredCache, prefetcher: Prefetcher) -> None:
+        self.cache, self.prefetcher = cache, prefetcher
         self.samples = 0
 
     async def next_batch(self, most: int) -> list[tuple[str, bytes]]:
-        # Wait for the next item, then take whatever else is ready without waiting.
-        items: list[tuple[str, bytes]] = []
-        async for key, data in self.prefetcher:
-            items.append((key, data))
-            if len(items) >= most or not self.prefetcher.head_ready():
-                break
+        items = await self.prefetcher.take(most)
         self.samples += len(items)
         return items
 
     async def close(self) -> DatasetStats:
         await self.prefetcher.aclose()
-        stats = DatasetStats(
+        return DatasetStats(
             samples=self.samples, prefetch=self.prefetcher.stats(), cache=self.cache.stats()
         )
-        await self.cache.aclose()
-        await self.store.aclose()
-        return stats

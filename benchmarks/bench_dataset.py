@@ -1,0 +1,197 @@
+"""StreamingDataset in a DataLoader against SeaweedFS, beside a sequential botocore loop.
+
+4000 objects of 50 KB. For ``num_workers`` 0, 2 and 4: the first (cold) epoch, read from the
+store through an empty cache, and a later (warm) epoch, read from the disk tier the first
+filled. Baseline: a plain sequential botocore ``get_object`` loop over the same objects, in
+the same run. Then a starvation run: a training loop with a fixed compute time per batch,
+reporting the share of time spent waiting for data and the p99 wait per batch.
+
+Run ``python benchmarks/bench_dataset.py`` (``--write`` records the tables in
+docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+import asyncstore
+from asyncstore.testing import SeaweedFS
+from asyncstore.torch import StreamingDataset
+
+BUCKET = "bench-dataset"
+BATCH = 64
+
+
+def sequential_botocore(server: SeaweedFS, keys: list[str]) -> float:
+    client = server.client()
+    started = time.perf_counter()
+    for key in keys:
+        client.get_object(Bucket=BUCKET, Key=f"train/{key}")["Body"].read()
+    return time.perf_counter() - started
+
+
+def as_tensor(key: str, data: bytes) -> torch.Tensor:
+    """The samples' decode step: bytes to a tensor, as an image decoder would return."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def loader_for(ds: StreamingDataset[torch.Tensor], workers: int) -> DataLoader[torch.Tensor]:
+    # Persistent workers keep their cache (memory tier included) from epoch to epoch;
+    # tensors travel from workers through shared memory, as decoded samples do.
+    return DataLoader(
+        ds,
+        batch_size=BATCH,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        multiprocessing_context="fork" if workers else None,
+    )
+
+
+def epoch(loader: DataLoader[torch.Tensor], expected: int) -> float:
+    started = time.perf_counter()
+    count = sum(len(batch) for batch in loader)
+    assert count == expected
+    return time.perf_counter() - started
+
+
+def starvation(loader: DataLoader[torch.Tensor], compute: float) -> tuple[float, float]:
+    """Share of time waiting for data, and p99 wait per batch, with ``compute`` s per batch."""
+    waits: list[float] = []
+    started = time.perf_counter()
+    iterator = iter(loader)
+    while True:
+        asked = time.perf_counter()
+        try:
+            next(iterator)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - asked)
+        # The step: a GPU step's host thread mostly waits for the device, without the GIL.
+        time.sleep(compute)
+    total = time.perf_counter() - started
+    waits_sorted = sorted(waits[1:])  # the first batch waits for the pipeline to fill
+    p99 = waits_sorted[min(len(waits_sorted) - 1, round(0.99 * (len(waits_sorted) - 1)))]
+    return sum(waits[1:]) / total, p99
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, default=4000)
+    parser.add_argument("--object-size", type=int, default=50_000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2, 4])
+    parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    n = args.objects
+    keys = [f"{i:05d}.bin" for i in range(n)]
+    with tempfile.TemporaryDirectory(prefix="bench-dataset-") as tmp:
+        server = SeaweedFS(data_dir=Path(tmp) / "seaweedfs")
+        server.start()
+        try:
+            server.create_bucket(BUCKET)
+            options = {
+                "endpoint_url": server.endpoint_url,
+                "aws_access_key_id": server.access_key,
+                "aws_secret_access_key": server.secret_key,
+                "region": server.region,
+            }
+
+            async def upload() -> None:
+                async with asyncstore.open_store(f"s3://{BUCKET}/train", **options) as store:
+                    await asyncio.gather(
+                        *(store.put(k, os.urandom(args.object_size)) for k in keys)
+                    )
+
+            asyncio.run(upload())
+            baseline = n / sequential_botocore(server, keys)
+            say(
+                f"### DataLoader over {n} objects of {args.object_size / 1000:.0f} KB "
+                f"(batch {BATCH})"
+            )
+            say()
+            say(
+                "| reader | cold epoch samples/s | warm epoch samples/s | cold vs sequential "
+                "| warm vs cold |"
+            )
+            say("|---|---:|---:|---:|---:|")
+            say(f"| botocore, sequential loop (baseline) | {baseline:,.0f} | | 1.00x | |")
+            runs = {}
+            for workers in args.workers:
+                cache_dir = Path(tmp) / f"cache-{workers}"
+                ds: StreamingDataset[torch.Tensor] = StreamingDataset(
+                    f"s3://{BUCKET}/train",
+                    keys=keys,
+                    cache_dir=cache_dir,
+                    shuffle=True,
+                    store_options=options,
+                    batch_size=BATCH,
+                    decode=as_tensor,
+                )
+                loader = loader_for(ds, workers)
+                cold = n / epoch(loader, len(ds))
+                warms = []
+                for number in (1, 2):
+                    ds.set_epoch(number)
+                    warms.append(n / epoch(loader, len(ds)))
+                warm = statistics.median(warms)
+                say(
+                    f"| StreamingDataset, num_workers={workers} | {cold:,.0f} | {warm:,.0f} | "
+                    f"{cold / baseline:.2f}x | {warm / cold:.1f}x |"
+                )
+                runs[workers] = (ds, loader, warm)
+            say()
+            say("### Starvation: a training loop with a fixed compute time per batch (warm epoch)")
+            say()
+            say(
+                "| num_workers | compute per batch | warm fetch time of a batch | "
+                "time waiting for data | p99 wait per batch |"
+            )
+            say("|---:|---:|---:|---:|---:|")
+            for workers, (ds, loader, warm) in runs.items():
+                fetch = BATCH / warm
+                compute = max(0.005, fetch)
+                ds.set_epoch(3)
+                share, p99 = starvation(loader, compute)
+                say(
+                    f"| {workers} | {compute * 1000:.1f} ms | {fetch * 1000:.1f} ms | "
+                    f"{share:.1%} | {p99 * 1000:.2f} ms |"
+                )
+                ds.close()
+        finally:
+            server.stop(timeout=1.0)
+
+    if args.write:
+        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+        text = path.read_text()
+        marker = "<!-- bench_dataset -->"
+        section = (
+            f"{marker}\n## Datasets (`benchmarks/bench_dataset.py`, "
+            f"{time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + f"\n{marker}\n"
+        )
+        if marker in text:
+            before, _, rest = text.partition(marker)
+            _, _, after = rest.partition(marker)
+            text = before + section + after.lstrip("\n")
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+        path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
