@@ -9,7 +9,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Self-contained examples: those that import what they use and need no server.
-DOCS = [ROOT / "README.md", ROOT / "docs" / "stores.md", ROOT / "docs" / "cache.md"]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "docs" / "stores.md",
+    ROOT / "docs" / "cache.md",
+    ROOT / "docs" / "datasets.md",
+]
 
 
 def examples() -> list[tuple[str, str]]:
@@ -29,4 +34,4 @@ def test_example_runs(
 
 
 def test_there_are_examples() -> None:
-    assert len(examples()) >= 3
+    assert len(examples()) >= 4
