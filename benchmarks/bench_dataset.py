@@ -159,17 +159,21 @@ def main() -> int:
             say()
             say(
                 "| num_workers | compute per batch | warm fetch time of a batch | "
-                "time waiting for data | p99 wait per batch |"
+                "samples not yet fetched when asked | loop time in next(loader) | "
+                "p99 wait per batch |"
             )
-            say("|---:|---:|---:|---:|---:|")
+            say("|---:|---:|---:|---:|---:|---:|")
             for workers, (ds, loader, warm) in runs.items():
                 fetch = BATCH / warm
                 compute = max(0.005, fetch)
                 ds.set_epoch(3)
+                first = ds.totals()
                 share, p99 = starvation(loader, compute)
+                last = ds.totals()
+                stalled = (last.stalls - first.stalls) / max(1, last.samples - first.samples)
                 say(
                     f"| {workers} | {compute * 1000:.1f} ms | {fetch * 1000:.1f} ms | "
-                    f"{share:.1%} | {p99 * 1000:.2f} ms |"
+                    f"{stalled:.1%} | {share:.1%} | {p99 * 1000:.2f} ms |"
                 )
                 ds.close()
         finally:

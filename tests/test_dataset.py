@@ -65,6 +65,7 @@ def test_every_sample_once_per_epoch_across_ranks_and_workers(
             keys = epoch_keys(ds, workers=3)
             assert len(keys) == len(ds) == 31  # equal lengths: ceil(61 / 2)
             assert keys == ds.plan()  # batch_size matches the loader: the plan's order
+            assert ds.totals().samples == 31  # summed over the three worker processes
             seen += keys
         assert set(seen) == everything
         counts = collections.Counter(seen)

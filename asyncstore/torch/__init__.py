@@ -1,5 +1,5 @@
 """PyTorch adapters: ``StreamingDataset``, a drop-in ``IterableDataset`` over any store."""
 
-from ._dataset import DatasetStats, StreamingDataset
+from ._dataset import DatasetStats, EpochTotals, StreamingDataset
 
-__all__ = ["StreamingDataset", "DatasetStats"]
+__all__ = ["StreamingDataset", "DatasetStats", "EpochTotals"]

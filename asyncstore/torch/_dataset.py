@@ -24,13 +24,32 @@ from ..stores import LocalStore, S3Store, Store, open_store
 
 T = TypeVar("T")
 
-__all__ = ["StreamingDataset", "DatasetStats"]
+__all__ = ["StreamingDataset", "DatasetStats", "EpochTotals"]
 
 MiB = 1 << 20
+
+# Per-worker slots of the shared totals (workers beyond this share slots, still summed).
+_SLOTS = 256
 
 # Items handed over per trip to the background loop: each trip costs a thread hop, which is
 # worth amortising over several ready items.
 _BATCH = 64
+
+
+class EpochTotals(msgspec.Struct):
+    """The scheduler's figures summed over every process of this dataset (main and workers).
+
+    Attributes:
+        samples: samples yielded, over all processes and iterations.
+        stalls: samples a consumer had to wait for (not yet fetched when asked).
+        stall_fraction: ``stalls / samples``.
+        wait_seconds: total time consumers waited for samples not yet fetched.
+    """
+
+    samples: int
+    stalls: int
+    stall_fraction: float
+    wait_seconds: float
 
 
 class DatasetStats(msgspec.Struct):
@@ -128,6 +147,10 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         # [epoch, samples of it already consumed] in shared memory: DataLoader workers
         # (persistent ones too) read the position the main process set, at each iteration.
         self._position = multiprocessing.RawArray("q", [0, 0])
+        # [samples, stalls, microseconds waited] per process: one slot for the main process
+        # and one per DataLoader worker, each written by its own process only (no lock
+        # needed, and a lock could not cross into spawned workers), summed by totals().
+        self._totals = multiprocessing.RawArray("q", 3 * (_SLOTS + 1))
         self._yielded = 0
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
@@ -256,7 +279,13 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                     self._yielded += 1
                     yield self._decode(key, data) if self._decode else data  # type: ignore[misc]
         finally:
-            self._last = run_sync(session.close())
+            self._last = stats = run_sync(session.close())
+            if stats.prefetch is not None:
+                info = get_worker_info()
+                slot = 3 * (0 if info is None else 1 + info.id % _SLOTS)
+                self._totals[slot] += stats.prefetch.items
+                self._totals[slot + 1] += stats.prefetch.stalls
+                self._totals[slot + 2] += round(stats.prefetch.wait_seconds * 1e6)
 
     def _connection(self) -> _Connection:
         # One store and cache per process, kept across epochs (the memory tier stays warm
@@ -293,6 +322,17 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def stats(self) -> DatasetStats | None:
         """Figures of the last iteration in this process (None before one ran)."""
         return self._last
+
+    def totals(self) -> EpochTotals:
+        """The scheduler's figures summed over all processes (DataLoader workers included)."""
+        figures = list(self._totals)
+        samples, stalls, waited = (sum(figures[i::3]) for i in range(3))
+        return EpochTotals(
+            samples=samples,
+            stalls=stalls,
+            stall_fraction=stalls / samples if samples else 0.0,
+            wait_seconds=waited / 1e6,
+        )
 
 
 class _Connection:
