@@ -230,3 +230,24 @@ async def test_stall_fraction_falls_with_lookahead(seaweedfs: SeaweedFS) -> None
     assert fractions[1] > fractions[4] > fractions[16]
     assert fractions[1] > 0.9
     assert fractions["auto"] <= fractions[4]
+
+
+async def test_early_exit_releases_every_slot_and_connection(seaweedfs: SeaweedFS) -> None:
+    # 16 reads in flight on a store allowing 8 requests at once, abandoned by an early exit:
+    # if a cancelled read kept its request slot or its connection, the store would hang.
+    url = f"s3://{BUCKET}/{unique()}"
+    async with asyncstore.open_store(url, **s3_options(seaweedfs, max_concurrency=8)) as store:
+        assert isinstance(store, asyncstore.S3Store)
+        await asyncio.gather(*(store.put(f"o{i:03d}", os.urandom(200_000)) for i in range(40)))
+        for _ in range(3):
+            async with Prefetcher(store, [f"o{i:03d}" for i in range(40)], lookahead=16) as pf:
+                async for _ in pf:
+                    break
+        fast = store._fast
+        assert fast is not None
+        connector = fast._session.connector
+        assert connector is not None
+        assert len(connector._acquired) == 0
+        with anyio.fail_after(10):
+            results = await asyncio.gather(*(store.get(f"o{i:03d}") for i in range(40)))
+        assert all(len(r) == 200_000 for r in results)
