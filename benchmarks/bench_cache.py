@@ -46,12 +46,7 @@ async def read_all(cache: TieredCache | asyncstore.Store, keys: list[str], infli
 
 
 async def rates(server: SeaweedFS, count: int, size: int, work: Path) -> list[tuple[str, float]]:
-    options = {
-        "endpoint_url": server.endpoint_url,
-        "aws_access_key_id": server.access_key,
-        "aws_secret_access_key": server.secret_key,
-        "region": server.region,
-    }
+    options = server.store_options()
     keys = [f"train/{i:05d}.bin" for i in range(count)]
     payloads = [os.urandom(size) for _ in range(count)]
     files = work / "files"

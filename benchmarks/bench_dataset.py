@@ -105,12 +105,7 @@ def main() -> int:
         server.start()
         try:
             server.create_bucket(BUCKET)
-            options = {
-                "endpoint_url": server.endpoint_url,
-                "aws_access_key_id": server.access_key,
-                "aws_secret_access_key": server.secret_key,
-                "region": server.region,
-            }
+            options = server.store_options()
 
             async def upload() -> None:
                 async with asyncstore.open_store(f"s3://{BUCKET}/train", **options) as store:

@@ -35,16 +35,6 @@ BUCKET = "bench"
 PART = 16 * MiB
 
 
-def options(server: SeaweedFS, **extra: Any) -> dict[str, Any]:
-    return {
-        "endpoint_url": server.endpoint_url,
-        "aws_access_key_id": server.access_key,
-        "aws_secret_access_key": server.secret_key,
-        "region": server.region,
-        **extra,
-    }
-
-
 async def timed(func: Callable[[], Awaitable[object]]) -> float:
     started = time.perf_counter()
     await func()
@@ -78,7 +68,9 @@ async def asyncstore_small(
     server: SeaweedFS, prefix: str, payloads: list[bytes], concurrency: int
 ) -> tuple[float, float]:
     url = f"s3://{BUCKET}/{prefix}"
-    async with asyncstore.open_store(url, **options(server, max_concurrency=concurrency)) as store:
+    async with asyncstore.open_store(
+        url, **server.store_options(max_concurrency=concurrency)
+    ) as store:
         # The store bounds requests in flight itself; the caller just starts them all.
         async def put_all() -> None:
             await asyncio.gather(*(store.put(f"{i:05d}", data) for i, data in enumerate(payloads)))
@@ -163,7 +155,7 @@ async def aiobotocore_large(
 
 
 async def asyncstore_large(server: SeaweedFS, key: str, data: bytes) -> tuple[float, float]:
-    async with asyncstore.open_store(f"s3://{BUCKET}", **options(server)) as store:
+    async with asyncstore.open_store(f"s3://{BUCKET}", **server.store_options()) as store:
 
         async def put() -> None:
             await store.put(key, data)

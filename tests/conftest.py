@@ -40,13 +40,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 
 def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:
     """Options that reach ``server`` directly, with a small part size to exercise multipart."""
-    options: dict[str, Any] = {
-        "endpoint_url": server.endpoint_url,
-        "aws_access_key_id": server.access_key,
-        "aws_secret_access_key": server.secret_key,
-        "region": server.region,
-        "part_size": 5 * MiB,
-    }
+    options = server.store_options(part_size=5 * MiB)
     options.update(overrides)
     return options
 

@@ -32,6 +32,7 @@ import sqlite3
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import xxhash
@@ -236,10 +237,8 @@ class DiskTier:
         """Admit staged files under the budget, evicting oldest entries; one transaction."""
         published = [False] * len(staged)
         renamed: list[str] = []
-        with self._db_lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
+        try:
+            with self._transaction() as db:
                 limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
                 admitted: dict[str, int] = {}  # name -> position in staged
@@ -280,16 +279,28 @@ class DiskTier:
                     os.rename(tmp, final)
                     renamed.append(final)
                     published[position] = True
+        except BaseException:
+            # Rolled back: files published in this batch have no rows any more.
+            for final in renamed:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(final)
+            raise
+        return published
+
+    @contextlib.contextmanager
+    def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """Hold this process's index lock and one SQLite transaction: commit on success,
+        roll back on any error."""
+        with self._db_lock:
+            db = self._db
+            db.execute(begin)
+            try:
+                yield db
                 db.execute("COMMIT")
             except BaseException:
                 with contextlib.suppress(sqlite3.Error):
                     db.execute("ROLLBACK")
-                # Rolled back: files published in this batch have no rows any more.
-                for final in renamed:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(final)
                 raise
-        return published
 
     def _limit(self) -> int:
         # The index counts against the budget, and its write-ahead log grows after this
@@ -313,41 +324,25 @@ class DiskTier:
             self._remove(each)
 
     def _remove(self, name: str) -> None:
-        with self._db_lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                row = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
-                if row:
-                    db.execute("DELETE FROM entries WHERE name = ?", (name,))
-                    db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
-                # Inside the transaction, like publishing: see write_many.
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path_for(name))
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            row = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
+            if row:
+                db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
+            # Inside the transaction, like publishing: see write_many.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path_for(name))
         with self._touch_lock:
             self._touched.pop(name, None)
 
     def clear(self) -> None:
         """Remove every entry (of every process)."""
-        with self._db_lock:
-            db = self._db
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                for (name,) in db.execute("SELECT name FROM entries").fetchall():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path_for(name))
-                db.execute("DELETE FROM entries")
-                db.execute("UPDATE total SET bytes = 0")
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            for (name,) in db.execute("SELECT name FROM entries").fetchall():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path_for(name))
+            db.execute("DELETE FROM entries")
+            db.execute("UPDATE total SET bytes = 0")
         with self._touch_lock:
             self._touched.clear()
 
@@ -378,20 +373,13 @@ class DiskTier:
             touched, self._touched = self._touched, {}
         if not touched:
             return
-        with self._db_lock:
-            # One transaction for the batch: in autocommit each UPDATE would be its own
-            # commit, a WAL append apiece.
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany(
-                    "UPDATE entries SET atime = ? WHERE name = ?",
-                    [(atime, name) for name, atime in touched.items()],
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    self._db.execute("ROLLBACK")
-                raise
+        # One transaction for the batch: in autocommit each UPDATE would be its own commit,
+        # a WAL append apiece.
+        with self._transaction("BEGIN") as db:
+            db.executemany(
+                "UPDATE entries SET atime = ? WHERE name = ?",
+                [(atime, name) for name, atime in touched.items()],
+            )
 
     def clean_leftovers(self) -> None:
         """Remove what crashed writers left: temp files of dead processes (or very old ones),

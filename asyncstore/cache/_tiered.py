@@ -28,7 +28,7 @@ import anyio.to_thread
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
-from ._disk import TOUCH_BATCH, WOULD_BLOCK, DiskTier, WouldBlock
+from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
 from ._memory import MemoryTier
 from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
@@ -233,28 +233,39 @@ class TieredCache:
             self._mem_stats.hits += 1
             self._mem_stats.bytes_served += len(value)
             return value
-        if self._disk is None or key in self._inflight:
+        if key in self._inflight:
+            return None
+        data = self._disk_now(key)
+        if data is not None:
+            self._gets += 1
+            self._mem_stats.misses += 1
+        return data
+
+    def _disk_now(self, cache_key: str) -> bytes | None:
+        """A disk-tier hit served from the page cache, counted and promoted to memory; None
+        if it would need the disk, a thread or a check (the regular path handles those)."""
+        if self._disk is None:
             return None
         try:
-            hit = self._read_cached(self._disk, key)
+            hit = self._read_cached(self._disk, cache_key)
         except (IntegrityError, OSError):
             return None  # the regular path counts and handles it
         if hit is None or isinstance(hit, WouldBlock):
             return None
         data = hit[0]
-        self._gets += 1
-        self._mem_stats.misses += 1
         self._disk_stats.hits += 1
         self._disk_stats.bytes_served += len(data)
-        if not self._memory.put(key, data):
+        if not self._memory.put(cache_key, data):
             self._mem_stats.bypassed += 1
         return data
 
     async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
         whole = self._memory.peek(key)
         if whole is not None and await self._fresh(key, key):
-            self._count_memory_hit(whole, end, start)
-            return whole[start:end]
+            part = whole[start:end]
+            self._mem_stats.hits += 1
+            self._mem_stats.bytes_served += len(part)
+            return part
         size = self._block
         first = start // size
         if end is not None:
@@ -275,10 +286,6 @@ class TieredCache:
         offset = first * size
         return data[start - offset : None if end is None else end - offset]
 
-    def _count_memory_hit(self, data: bytes, end: int | None, start: int) -> None:
-        self._mem_stats.hits += 1
-        self._mem_stats.bytes_served += len(data[start:end]) if end or start else len(data)
-
     async def _get_block(self, key: str, index: int) -> bytes:
         size = self._block
 
@@ -297,18 +304,10 @@ class TieredCache:
             return value
         self._mem_stats.misses += 1
         future = self._inflight.get(cache_key)
-        if future is None and self._disk is not None and self._validate == "none":
+        if future is None and self._validate == "none":
             # A disk hit from the page cache needs no fetch task: serve it right here.
-            try:
-                hit = self._read_cached(self._disk, cache_key)
-            except (IntegrityError, OSError):
-                hit = WOULD_BLOCK  # the full path below counts and handles it
-            if hit is not None and not isinstance(hit, WouldBlock):
-                data = hit[0]
-                self._disk_stats.hits += 1
-                self._disk_stats.bytes_served += len(data)
-                if not self._memory.put(cache_key, data):
-                    self._mem_stats.bypassed += 1
+            data = self._disk_now(cache_key)
+            if data is not None:
                 return data
         if future is None:
             future = asyncio.get_running_loop().create_future()

@@ -391,6 +391,19 @@ class SeaweedFS:
             if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
 
+    def store_options(self, **overrides: Any) -> dict[str, Any]:
+        """Options for :func:`asyncstore.open_store` that reach this server directly.
+
+        ``overrides`` replace or add options (``endpoint_url`` of a proxy, ``part_size``…).
+        """
+        return {
+            "endpoint_url": self.endpoint_url,
+            "aws_access_key_id": self.access_key,
+            "aws_secret_access_key": self.secret_key,
+            "region": self.region,
+            **overrides,
+        }
+
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name``; an already existing bucket is not an error.
 
