@@ -179,42 +179,51 @@ class Prefetcher:
         return self
 
     async def __anext__(self) -> tuple[str, bytes]:
-        if self._state == "new":
-            self._state = "open"
-        elif self._state == "closed":
+        if not self._open():
             raise StopAsyncIteration
         while True:
             await self._fill()
             if not self._window:
                 await self.aclose()
                 raise StopAsyncIteration
-            key, task = self._window[0]
-            waited = 0.0
-            if task.done():
-                self._over += 1
-            else:
-                started = time.perf_counter()
-                await asyncio.wait([task])
-                waited = time.perf_counter() - started
-                self._wait += waited
-                if waited > _STALL_SECONDS:
-                    self._stalls += 1
-                    self._grow()
-            self._waits.add(waited)
-            self._window.popleft()
-            self._adapt()
-            try:
-                data = task.result()
-            except Exception:
-                if self._skip:
-                    self._skipped += 1
-                    continue
-                await self.aclose()
-                raise
-            self._ready_bytes -= len(data)
-            self._items += 1
-            self._refill_soon()
-            return key, data
+            item = await self._pop()
+            if item is not None:
+                self._refill_soon()
+                return item
+
+    def _open(self) -> bool:
+        if self._state == "new":
+            self._state = "open"
+        return self._state == "open"
+
+    async def _pop(self) -> tuple[str, bytes] | None:
+        # Wait for the head of the window and take it; None for a key skipped after an error.
+        key, task = self._window[0]
+        waited = 0.0
+        if task.done():
+            self._over += 1
+        else:
+            started = time.perf_counter()
+            await asyncio.wait([task])
+            waited = time.perf_counter() - started
+            self._wait += waited
+            if waited > _STALL_SECONDS:
+                self._stalls += 1
+                self._grow()
+        self._waits.add(waited)
+        self._window.popleft()
+        self._adapt()
+        try:
+            data = task.result()
+        except Exception:
+            if self._skip:
+                self._skipped += 1
+                return None
+            await self.aclose()
+            raise
+        self._ready_bytes -= len(data)
+        self._items += 1
+        return key, data
 
     async def _next_key(self) -> str | None:
         if not self._ahead and not self._exhausted:
@@ -317,16 +326,35 @@ class Prefetcher:
         """Wait for the next item, then add whatever else is ready, up to ``most`` items.
 
         For consumers that pay per call (a thread hop per call from a sync caller): the
-        window may grow to ``most`` for items that are already local. Returns ``[]`` at the
-        end of the plan.
+        window may grow to ``most`` for items that are already local, and the window is
+        refilled once per call rather than once per item. Returns ``[]`` at the end of the
+        plan.
         """
+        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+            raise InvalidArgument(f"most={most!r}: pass a positive int")
         # Kept after the call: the background refill prepares the next take() as deep.
         self._want = most
         items: list[tuple[str, bytes]] = []
-        async for item in self:
-            items.append(item)
-            if len(items) >= most or not self.head_ready():
+        if not self._open():
+            return items
+        while len(items) < most:
+            if not self._window:
+                await self._fill()
+                if not self._window:
+                    await self.aclose()  # the end of the plan
+                    break
+            head = self._window[0][1]
+            if items and (not head.done() or (not self._skip and head.exception())):
+                # Give what is ready now rather than wait, and what came before a failed
+                # key before its error (the next call raises it).
                 break
+            item = await self._pop()
+            if item is not None:
+                items.append(item)
+            if not items and self._state == "open":
+                await self._fill()  # waiting for the first item: keep fetches going
+        if self._state == "open":
+            self._refill_soon()
         return items
 
     def head_ready(self) -> bool:

@@ -160,6 +160,29 @@ async def test_errors_skipped_and_counted(slow: SlowStore) -> None:
     assert prefetcher.stats().skipped == 2
 
 
+async def test_take_batches_in_order_with_errors(slow: SlowStore) -> None:
+    # take() is what the sync bridge uses: ready items in batches, errors in order.
+    plan = [f"k{i:03d}" for i in range(50)]
+    plan[10] = "missing"
+    plan[41] = "gone"
+    async with Prefetcher(slow, plan, on_error="skip") as prefetcher:
+        taken: list[str] = []
+        while batch := await prefetcher.take(8):
+            assert 1 <= len(batch) <= 8
+            taken += [key for key, _ in batch]
+        assert await prefetcher.take(8) == []
+    assert taken == [k for k in plan if k.startswith("k")]
+    assert prefetcher.stats().skipped == 2
+    seen: list[str] = []
+    with pytest.raises(NotFound, match="missing"):
+        async with Prefetcher(slow, plan) as prefetcher:
+            while batch := await prefetcher.take(8):
+                seen += [key for key, _ in batch]
+    assert seen == plan[:10]
+    with pytest.raises(InvalidArgument, match="most=0"):
+        await Prefetcher(slow, plan).take(0)
+
+
 async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:
     slow.delay, slow.jitter = 0.0, 0.0
     rng = random.Random(2)

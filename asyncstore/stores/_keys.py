@@ -22,6 +22,21 @@ def check_key(key: object, where: str) -> str:
 
     ``where`` is the store's URL, used in the message.
     """
+    # The common case in a few C-level string scans (hot: every cache and prefetch call).
+    # ASCII means valid UTF-8 of len(key) bytes; no segment starting with '.' rules out
+    # '.', '..' and reserved segments; no '//' or trailing '/' rules out empty ones.
+    if (
+        type(key) is str
+        and key
+        and key.isascii()
+        and len(key) <= MAX_KEY_BYTES
+        and key[0] not in "/."
+        and key[-1] != "/"
+        and "/." not in key
+        and "//" not in key
+        and "\x00" not in key
+    ):
+        return key
     if not isinstance(key, str):
         raise InvalidKey(
             f"key {key!r} for {where} is a {type(key).__name__}, not a str; {_EXAMPLE}"
