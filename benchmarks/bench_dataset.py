@@ -19,11 +19,12 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from _report import machine, record
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import asyncstore
 from asyncstore.testing import SeaweedFS
@@ -46,7 +47,36 @@ def as_tensor(key: str, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
-def loader_for(ds: StreamingDataset[torch.Tensor], workers: int) -> DataLoader[torch.Tensor]:
+class InMemory(IterableDataset[torch.Tensor]):
+    """The same samples from a list in memory: what the DataLoader alone can deliver.
+
+    Workers take whole batches in turn, as StreamingDataset's do, and decode the same way;
+    no storage, cache or prefetch is involved. Its rate is the ceiling for any dataset with
+    these workers on this machine.
+    """
+
+    def __init__(self, items: list[tuple[str, bytes]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        share = self.items
+        if info is not None:
+            share = [
+                item
+                for start in range(info.id * BATCH, len(self.items), BATCH * info.num_workers)
+                for item in self.items[start : start + BATCH]
+            ]
+        for key, data in share:
+            yield as_tensor(key, data)
+
+
+def loader_for(
+    ds: StreamingDataset[torch.Tensor] | InMemory, workers: int
+) -> DataLoader[torch.Tensor]:
     # Persistent workers keep their cache (memory tier included) from epoch to epoch;
     # tensors travel from workers through shared memory, as decoded samples do.
     return DataLoader(
@@ -107,11 +137,11 @@ def main() -> int:
             server.create_bucket(BUCKET)
             options = server.store_options()
 
+            contents = {key: os.urandom(args.object_size) for key in keys}
+
             async def upload() -> None:
                 async with asyncstore.open_store(f"s3://{BUCKET}/train", **options) as store:
-                    await asyncio.gather(
-                        *(store.put(k, os.urandom(args.object_size)) for k in keys)
-                    )
+                    await asyncio.gather(*(store.put(k, v) for k, v in contents.items()))
 
             asyncio.run(upload())
             baseline = n / sequential_botocore(server, keys)
@@ -123,13 +153,20 @@ def main() -> int:
             )
             say()
             say(
-                "| reader | cold epoch samples/s | warm epoch samples/s | cold vs sequential "
-                "| warm vs cold |"
+                "The ceiling is the same DataLoader over the decoded samples held in a list in "
+                "memory: what the DataLoader itself can deliver with that many workers here."
             )
-            say("|---|---:|---:|---:|---:|")
-            say(f"| botocore, sequential loop (baseline) | {baseline:,.0f} | | 1.00x | |")
+            say()
+            say(
+                "| reader | cold epoch samples/s | warm epoch samples/s | cold vs sequential "
+                "| warm vs cold | DataLoader ceiling samples/s | warm vs ceiling |"
+            )
+            say("|---|---:|---:|---:|---:|---:|---:|")
+            say(f"| botocore, sequential loop (baseline) | {baseline:,.0f} | | 1.00x | | | |")
             runs = {}
             for workers in args.workers:
+                memory_loader = loader_for(InMemory(list(contents.items())), workers)
+                ceiling = statistics.median(n / epoch(memory_loader, n) for _ in range(3))
                 cache_dir = Path(tmp) / f"cache-{workers}"
                 ds: StreamingDataset[torch.Tensor] = StreamingDataset(
                     f"s3://{BUCKET}/train",
@@ -143,35 +180,46 @@ def main() -> int:
                 loader = loader_for(ds, workers)
                 cold = n / epoch(loader, len(ds))
                 warms = []
-                for number in (1, 2):
+                for number in (1, 2, 3):
                     ds.set_epoch(number)
                     warms.append(n / epoch(loader, len(ds)))
                 warm = statistics.median(warms)
                 say(
                     f"| StreamingDataset, num_workers={workers} | {cold:,.0f} | {warm:,.0f} | "
-                    f"{cold / baseline:.2f}x | {warm / cold:.1f}x |"
+                    f"{cold / baseline:.2f}x | {warm / cold:.1f}x | {ceiling:,.0f} | "
+                    f"{warm / ceiling:.2f}x |"
                 )
-                runs[workers] = (ds, loader, warm)
+                runs[workers] = (ds, loader, memory_loader, warm)
             say()
             say("### Starvation: a training loop with a fixed compute time per batch (warm epoch)")
             say()
             say(
-                "| num_workers | compute per batch | warm fetch time of a batch | "
-                "samples not yet fetched when asked | loop time in next(loader) | "
-                "p99 wait per batch |"
+                "Compute per batch is at least the warm fetch time of a batch. *Not yet "
+                "fetched* counts samples the prefetcher had not delivered when asked (the "
+                "scheduler's stall fraction). *Loop time in next(loader)* is the share of the "
+                "loop spent inside `next(loader)`, for StreamingDataset and for the in-memory "
+                "list (decode, collate and moving batches from workers: the DataLoader's own "
+                "cost); their difference is what waiting for storage added."
             )
-            say("|---:|---:|---:|---:|---:|---:|")
-            for workers, (ds, loader, warm) in runs.items():
-                fetch = BATCH / warm
-                compute = max(0.005, fetch)
-                ds.set_epoch(3)
+            say()
+            say(
+                "| num_workers | compute per batch | samples not yet fetched when asked | "
+                "loop time in next(loader) | same, in-memory list | added by storage | "
+                "p99 wait per batch | same, in-memory list |"
+            )
+            say("|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for workers, (ds, loader, memory_loader, warm) in runs.items():
+                compute = max(0.005, BATCH / warm)
+                ds.set_epoch(4)
                 first = ds.totals()
                 share, p99 = starvation(loader, compute)
                 last = ds.totals()
+                floor, floor_p99 = starvation(memory_loader, compute)
                 stalled = (last.stalls - first.stalls) / max(1, last.samples - first.samples)
                 say(
-                    f"| {workers} | {compute * 1000:.1f} ms | {fetch * 1000:.1f} ms | "
-                    f"{stalled:.1%} | {share:.1%} | {p99 * 1000:.2f} ms |"
+                    f"| {workers} | {compute * 1000:.1f} ms | {stalled:.1%} | {share:.1%} | "
+                    f"{floor:.1%} | {share - floor:+.1%} | {p99 * 1000:.2f} ms | "
+                    f"{floor_p99 * 1000:.2f} ms |"
                 )
                 ds.close()
         finally:

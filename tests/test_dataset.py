@@ -11,6 +11,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from asyncstore import InvalidArgument
+from asyncstore.testing import belady_hits
 from asyncstore.torch import StreamingDataset
 
 COUNT = 61  # odd on purpose: two ranks get uneven shards
@@ -104,6 +105,34 @@ def test_no_workers_and_stats(dataset_dir: Path) -> None:
     assert ds.state_dict() == {"epoch": 0, "consumed": COUNT, "seed": 1}
 
 
+def memory_hits(ds: StreamingDataset[bytes], epochs: int) -> int:
+    for epoch in range(epochs):
+        ds.set_epoch(epoch)
+        assert len(list(ds)) == COUNT
+    stats = ds.stats()
+    assert stats is not None
+    assert stats.cache is not None
+    ds.close()
+    return stats.cache.memory.hits
+
+
+def test_plan_policy_is_optimal_across_epochs(dataset_dir: Path) -> None:
+    # Memory for 20 of 61 equal-sized samples, no disk tier, 4 shuffled epochs: every hit
+    # comes from the memory tier, which follows each epoch's plan as the prefetcher reads it.
+    size = len(b"train/0000.bin")
+    settings = {"shuffle": True, "seed": 5, "memory_bytes": 20 * size}
+    ds: StreamingDataset[bytes] = StreamingDataset(dataset_dir, **settings)  # type: ignore[arg-type]
+    reads = [key for epoch in range(4) for key in ds.plan(epoch)]
+    optimum = belady_hits(reads, 20)
+    assert memory_hits(ds, 4) == optimum
+    lru: StreamingDataset[bytes] = StreamingDataset(
+        dataset_dir,
+        cache_policy="lru",
+        **settings,  # type: ignore[arg-type]
+    )
+    assert memory_hits(lru, 4) < optimum
+
+
 RESUME = """
 import sys
 from torch.utils.data import DataLoader
@@ -135,6 +164,8 @@ def test_resume_mid_epoch_in_a_fresh_process(dataset_dir: Path) -> None:
 def test_bad_arguments(dataset_dir: Path) -> None:
     with pytest.raises(InvalidArgument, match="rank and world_size together"):
         StreamingDataset(dataset_dir, rank=0)
+    with pytest.raises(InvalidArgument, match="cache_policy='fifo'"):
+        StreamingDataset(dataset_dir, cache_policy="fifo")  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument, match="not in range"):
         StreamingDataset(dataset_dir, rank=2, world_size=2)
     with pytest.raises(InvalidArgument, match="holds no objects"):

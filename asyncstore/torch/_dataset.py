@@ -87,6 +87,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         shuffle, seed: a fresh deterministic order per epoch from ``seed`` and the epoch.
         decode: ``decode(key, data) -> sample``, run in the worker; default: the bytes.
         lookahead, max_inflight: the prefetcher's depth and requests in flight.
+        cache_policy: the memory tier's eviction: ``"plan"`` (default) follows the epoch's
+            order (Belady's rule: the most hits possible when the dataset does not fit in
+            memory); ``"lru"`` evicts by recency, which thrashes on shuffled epochs.
         rank, world_size: this process's shard; default from ``torch.distributed``.
         batch_size: set to the DataLoader's ``batch_size`` so that, with workers, the stream
             comes out in exactly the plan's order (workers take whole batches in turn); that
@@ -111,6 +114,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         decode: Callable[[str, bytes], T] | None = None,
         lookahead: int | Literal["auto"] = "auto",
         max_inflight: int = 32,
+        cache_policy: Literal["lru", "plan"] = "plan",
         rank: int | None = None,
         world_size: int | None = None,
         batch_size: int = 1,
@@ -129,6 +133,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         for name, value in (("memory_bytes", memory_bytes), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+        if cache_policy not in ("lru", "plan"):
+            raise InvalidArgument(f"cache_policy={cache_policy!r}: use 'plan' or 'lru'")
         if (rank is None) != (world_size is None):
             raise InvalidArgument("pass rank and world_size together, or neither")
         if world_size is not None and rank is not None and not 0 <= rank < world_size:
@@ -141,6 +147,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._decode = decode
         self._lookahead = lookahead
         self._max_inflight = max_inflight
+        self._policy: Literal["lru", "plan"] = cache_policy
         self._rank = rank
         self._world = world_size
         self._batch = batch_size
@@ -304,6 +311,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             memory_bytes=self._memory_bytes,
             disk_dir=self._cache_dir,
             disk_bytes=self._disk_bytes if self._cache_dir is not None else None,
+            policy=self._policy,
         )
         await cache.__aenter__()
         return _Connection(store, cache)
