@@ -210,20 +210,18 @@ class DiskTier:
         try:
             for position, (key, payload, etag) in enumerate(items):
                 name = self.name_for(key)
-                data = _encode(key, payload, etag)
-                if len(data) > self.budget:
+                head = _encode_head(key, payload, etag)
+                size = len(head) + len(payload)
+                if size > self.budget:
                     continue
                 shard = name[:2]
                 if shard not in self._shards:
                     os.makedirs(f"{self._root}/{shard}", exist_ok=True)
                     self._shards.add(shard)
                 tmp = f"{self._root}/{shard}/.tmp-{self._pid}-{secrets.token_hex(6)}"
-                staged.append((name, tmp, self.path_for(name), len(data)))
+                staged.append((name, tmp, self.path_for(name), size))
                 positions.append(position)
-                with open(tmp, "xb", buffering=0) as f:
-                    view = memoryview(data)
-                    while view:
-                        view = view[f.write(view) :]
+                _write_new(tmp, head, payload)
             self.flush_touches()
             for position, published in zip(positions, self._publish(staged), strict=True):
                 results[position] = published
@@ -417,7 +415,8 @@ class DiskTier:
             self._db.close()
 
 
-def _encode(key: str, payload: bytes, etag: str | None) -> bytes:
+def _encode_head(key: str, payload: bytes, etag: str | None) -> bytes:
+    # What precedes the payload in an entry file: header, key, ETag.
     key_bytes = key.encode()
     etag_bytes = (etag or "").encode()
     header = _HEADER.pack(
@@ -428,7 +427,23 @@ def _encode(key: str, payload: bytes, etag: str | None) -> bytes:
         len(key_bytes),
         len(etag_bytes),
     )
-    return b"".join((header, key_bytes, etag_bytes, payload))
+    return header + key_bytes + etag_bytes
+
+
+def _write_new(path: str, head: bytes, payload: bytes) -> None:
+    # One writev of the head and the payload: no joined copy of the payload, no file object.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        views = [memoryview(head), memoryview(payload)]
+        while views:
+            done = os.writev(fd, views)
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views and done:
+                views[0] = views[0][done:]
+    finally:
+        os.close(fd)
 
 
 def _decode(raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
