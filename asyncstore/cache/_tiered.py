@@ -136,6 +136,7 @@ class TieredCache:
         self._tasks: set[asyncio.Task[None]] = set()
         self._flushing = False
         self._writing = False
+        self._write_task: asyncio.Future[None] | None = None
         self._pending: list[tuple[str, bytes, str | None]] = []
         self._pending_bytes = 0
         self._generations: dict[str, int] = {}  # bumped by invalidate()
@@ -446,7 +447,7 @@ class TieredCache:
         self._pending_bytes += len(data)
         if not self._writing:
             self._writing = True
-            self._background(self._write_pending())
+            self._write_task = self._background(self._write_pending())
 
     async def _write_pending(self) -> None:
         try:
@@ -462,10 +463,18 @@ class TieredCache:
         finally:
             self._flushing = False
 
-    def _background(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _settle_writes(self) -> None:
+        # A batch already handed to the disk thread lands whatever we do: wait for it, so
+        # that a removal made after this call cannot be undone by it.
+        task = self._write_task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
 
     async def _disk_call(self, func: Callable[..., T], *args: object) -> T | None:
         try:
@@ -565,6 +574,7 @@ class TieredCache:
             self._pending = kept
             self._pending_bytes = sum(len(item[1]) for item in kept)
         if self._disk is not None:
+            await self._settle_writes()
             await self._disk_call(self._disk.remove, key)
 
     async def clear(self) -> None:
@@ -572,7 +582,9 @@ class TieredCache:
         self._memory.clear()
         self._entry_etags.clear()
         self._checked.clear()
+        self._pending, self._pending_bytes = [], 0
         if self._disk is not None:
+            await self._settle_writes()
             await self._disk_call(self._disk.clear)
 
     def stats(self) -> CacheStats:
