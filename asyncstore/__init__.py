@@ -11,6 +11,8 @@ Open a store by URL and move bytes::
 
 from __future__ import annotations
 
+import typing
+
 # prefetch
 from ._prefetch import Prefetcher, PrefetchStats
 
@@ -29,6 +31,7 @@ from .errors import (
     StoreClosed,
     StoreError,
     StoreUnavailable,
+    UnsafeCheckpoint,
 )
 
 # stores
@@ -44,6 +47,9 @@ from .stores import (
     Writer,
     open_store,
 )
+
+if typing.TYPE_CHECKING:
+    from .checkpoint import SaveHandle, SaveResult, load, save
 
 __version__ = "0.1.0.dev0"
 
@@ -78,7 +84,26 @@ __all__ = [
     "StoreError",
     "StoreClosed",
     "IntegrityError",
+    "UnsafeCheckpoint",
+    # checkpoints (imported on first use: they need torch)
+    "save",
+    "load",
+    "SaveHandle",
+    "SaveResult",
 ]
+
+_LAZY = {"save", "load", "SaveHandle", "SaveResult"}
+
+
+def __getattr__(name: str) -> object:
+    # The checkpoint engine imports torch (seconds); pay for it only when it is used.
+    if name in _LAZY:
+        from . import checkpoint
+
+        value = getattr(checkpoint, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'asyncstore' has no attribute {name!r}")
 
 
 def _export() -> None:
@@ -88,6 +113,8 @@ def _export() -> None:
     import msgspec
 
     for name in __all__:
+        if name in _LAZY:
+            continue
         obj = globals()[name]
         if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
             continue

@@ -21,6 +21,7 @@ __all__ = [
     "StoreError",
     "StoreClosed",
     "IntegrityError",
+    "UnsafeCheckpoint",
 ]
 
 
@@ -91,4 +92,13 @@ class IntegrityError(AsyncStoreError):
     """Raised when bytes do not match their checksum or a format is not what it claims to be.
 
     The message names what failed (object, chunk, offset) and where it came from.
+    """
+
+
+class UnsafeCheckpoint(AsyncStoreError):
+    """Raised when a checkpoint cannot be saved or loaded safely as asked.
+
+    Loading with ``weights_only=True`` (the default) raises it for a checkpoint that names any
+    Python global beyond tensors, containers and plain values, before importing it: a crafted
+    file cannot run code. Saving raises it for an object that cannot be pickled.
     """

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
@@ -167,3 +169,37 @@ def test_short_writes_are_completed() -> None:
     sink = Trickle()
     _write_all(sink, memoryview(bytes(range(100))))  # type: ignore[arg-type]
     assert bytes(sink.data) == bytes(range(100))
+
+
+KILLED_WRITER = """
+import asyncio, os, signal, sys
+import asyncstore
+
+async def main():
+    async with asyncstore.open_store(sys.argv[1]) as store:
+        writer = store.open_writer("ckpt/model.bin")
+        await writer.__aenter__()
+        await writer.write(b"x" * 100_000)
+        print("writing", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_clean_up_writes_removes_only_abandoned_temp_files(
+    local: asyncstore.LocalStore,
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_WRITER, local.root], capture_output=True, timeout=60
+    )
+    assert b"writing" in result.stdout
+    directory = Path(local.root) / "ckpt"
+    assert len(list(directory.iterdir())) == 1  # the killed writer's temp file
+    async with local.open_writer("ckpt/model.bin") as writer:
+        await writer.write(b"live")
+        assert await local.clean_up_writes("ckpt/model.bin") == 1  # not the live writer's
+        assert len(list(directory.iterdir())) == 1
+    assert [p.name for p in directory.iterdir()] == ["model.bin"]
+    assert await local.get("ckpt/model.bin") == b"live"
+    assert await local.clean_up_writes("ckpt/other.bin") == 0

@@ -17,6 +17,8 @@ PUBLIC_MODULES = [
     "asyncstore.stores",
     "asyncstore.cache",
     "asyncstore.testing",
+    "asyncstore.checkpoint",
+    "asyncstore.torch",
 ]
 
 

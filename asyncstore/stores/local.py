@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import stat as statmod
@@ -22,7 +23,7 @@ import msgspec
 
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
-from ._keys import RESERVED_PREFIX
+from ._keys import RESERVED_PREFIX, check_key
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -130,6 +131,47 @@ class LocalStore(BaseStore):
                 "asyncstore never writes outside a store's root"
             )
         return path
+
+    async def clean_up_writes(self, key: str) -> int:
+        """Remove temporary files that writers of ``key`` killed mid-write left behind.
+
+        Readers never see them (their names are reserved), but they hold disk space: a
+        killed checkpoint save can leave gigabytes. A file is removed only if no live
+        process holds its lock; returns how many were removed.
+        """
+        key = check_key(key, self._url)
+        self._check_open()
+        return await self._run(key, "clean up", self._clean_up_writes, key)
+
+    def _clean_up_writes(self, key: str) -> int:
+        directory, name = os.path.split(os.path.join(self._root, key))
+        hint = name.encode()[:150].decode(errors="ignore")
+        try:
+            names = os.listdir(directory)
+        except FileNotFoundError:
+            return 0
+        removed = 0
+        for entry in names:
+            if not (entry.startswith(_TMP_PREFIX) and entry.endswith(f"-{hint}")):
+                continue
+            path = os.path.join(directory, entry)
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue  # its writer is alive
+            try:
+                os.unlink(path)
+                removed += 1
+            except FileNotFoundError:
+                pass
+            finally:
+                os.close(fd)
+        return removed
 
     def _error(self, exc: OSError, key: str, doing: str) -> Exception:
         where = self.where(key)
@@ -310,6 +352,9 @@ class _TempFile:
                 self.file = open(self.tmp, "xb", buffering=0)
             except FileNotFoundError:
                 continue  # a concurrent delete removed the empty directory: create it again
+            # Held until the file is renamed or removed; the kernel drops it when this
+            # process dies, which is how clean_up_writes() tells abandoned temp files.
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             return self
         raise StoreError(
             f"cannot write {self.store.where(self.key)}: its directory keeps vanishing"
@@ -320,8 +365,8 @@ class _TempFile:
         if self.store.config.fsync:
             os.fsync(fd)
         st = os.fstat(fd)
-        self.file.close()
         try:
+            # Renamed while still open (and locked), so that no cleanup can take it first.
             os.rename(self.tmp, self.path)
         except IsADirectoryError:
             raise StoreError(
@@ -329,6 +374,7 @@ class _TempFile:
                 "store cannot hold both 'a' and keys under 'a/'"
             ) from None
         self.done = True
+        self.file.close()
         if self.store.config.fsync:
             # The rename is durable only once the directory entry is on disk too.
             dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)

@@ -30,6 +30,7 @@ from botocore import exceptions as bex
 
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
+from ._keys import check_key
 from ._retry import with_retries
 from ._s3fast import S3HTTPError, SignedGetter
 
@@ -518,6 +519,34 @@ class S3Store(BaseStore):
             await client.delete_object(Bucket=self._bucket, Key=self._root + key)
 
         await self._call(key, "delete", attempt)
+
+    async def clean_up_writes(self, key: str) -> int:
+        """Abort every unfinished multipart upload of ``key``; returns how many there were.
+
+        A writer killed mid-upload (SIGKILL, a lost machine) cannot abort its own upload, and
+        its parts are stored, unseen and billed, until something aborts it. Call this before
+        writing ``key`` again — the checkpoint engine does — when no other writer of ``key``
+        can be running. (An ``AbortIncompleteMultipartUpload`` lifecycle rule on the bucket
+        is the catch-all.)
+        """
+        key = check_key(key, self.url)
+        self._check_open()
+        full = self._root + key
+
+        async def listing(client: Any) -> dict[str, Any]:
+            return dict(await client.list_multipart_uploads(Bucket=self._bucket, Prefix=full))
+
+        page = await self._call(key, "list uploads", listing)
+        uploads = [u["UploadId"] for u in page.get("Uploads", ()) if u.get("Key") == full]
+        for upload_id in uploads:
+
+            async def abort(client: Any, upload_id: str = upload_id) -> None:
+                await client.abort_multipart_upload(
+                    Bucket=self._bucket, Key=full, UploadId=upload_id
+                )
+
+            await self._call(key, "abort upload", abort)
+        return len(uploads)
 
     async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
         token: str | None = None

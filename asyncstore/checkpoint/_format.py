@@ -1,0 +1,240 @@
+"""The checkpoint format, version 1: one object written as a single stream.
+
+Layout (see docs/format.md)::
+
+    [header][structure][chunk][chunk]...[manifest][footer]
+
+- ``header``: the 8 bytes ``ASYNCKPT``, so that a damaged footer is told from another format.
+- ``structure``: the saved object, pickled with a persistent id for every tensor storage
+  (stored raw or zstd-compressed, like a chunk).
+- chunks: the bytes of each storage, split every ``chunk_bytes``; each chunk is raw, zstd, or
+  zstd after a byte shuffle by element width.
+- ``manifest``: msgpack (msgspec) :class:`Manifest`: where every chunk lies, its codec, sizes and
+  xxh3-64 digests, the user's metadata and a digest over all chunk digests.
+- ``footer``: :data:`FOOTER_SIZE` bytes, fixed: magic, format version, where the manifest
+  lies and its digest, and the footer's own digest.
+
+Everything a load uses is covered by a checksum: the footer by its own, the manifest by the
+footer's, each chunk (and the structure) by the manifest's, checked before decoding and again
+after. A reader needs the footer, the manifest, then only the chunks it wants (ranged reads).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+import xxhash
+import zstandard
+
+from ..errors import IntegrityError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "FOOTER_SIZE",
+    "Chunk",
+    "Storage",
+    "Manifest",
+    "Footer",
+    "encode_footer",
+    "decode_footer",
+    "encode_manifest",
+    "decode_manifest",
+    "shuffle",
+    "unshuffle",
+    "CODECS",
+]
+
+MAGIC = b"ASYNCKPT"
+FORMAT_VERSION = 1
+_FOOTER = struct.Struct("<8sIIQQQ")  # magic, version, flags, manifest offset, length, xxh3
+FOOTER_SIZE = _FOOTER.size + 8  # + the footer's own xxh3-64
+
+CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8")
+
+
+class Chunk(msgspec.Struct, array_like=True, frozen=True):
+    """One stored piece of a storage (or of the structure).
+
+    Later format versions may append fields (a chunk in another object, say); readers of
+    this version ignore nothing they need: ``object`` is reserved for that.
+    """
+
+    offset: int  # where its stored bytes start in the checkpoint object
+    stored: int  # stored (possibly compressed) size
+    raw: int  # size after decoding
+    codec: str  # one of CODECS
+    stored_xxh3: int  # of the stored bytes, checked before decoding
+    raw_xxh3: int  # of the decoded bytes, checked after
+
+
+class Storage(msgspec.Struct, frozen=True):
+    """A tensor storage: its bytes, in chunks, and what is needed to rebuild it."""
+
+    id: int  # the persistent id the structure refers to it by
+    nbytes: int
+    dtype: str  # element type of its first reference ("float32"), for the byte shuffle
+    location: str  # device it was saved from ("cpu", "cuda:0")
+    name: str  # the entry that first referenced it, for messages
+    chunks: list[Chunk]
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """Everything a load needs besides the chunks themselves."""
+
+    format: int
+    created: float
+    metadata: dict[str, Any]
+    structure: Chunk
+    storages: list[Storage]
+    # For a saved dict: each top-level key's storage ids, so a partial load reads only those.
+    entries: dict[str, list[int]] | None
+    raw_bytes: int
+    stored_bytes: int
+    digest: int  # xxh3-64 over every chunk's stored digest, structure first, in file order
+
+
+class Footer(msgspec.Struct, frozen=True):
+    """The fixed-size end of a checkpoint."""
+
+    version: int
+    flags: int
+    manifest_offset: int
+    manifest_length: int
+    manifest_xxh3: int
+
+
+def encode_footer(footer: Footer) -> bytes:
+    body = _FOOTER.pack(
+        MAGIC,
+        footer.version,
+        footer.flags,
+        footer.manifest_offset,
+        footer.manifest_length,
+        footer.manifest_xxh3,
+    )
+    return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+
+
+def decode_footer(data: bytes, where: str) -> Footer | None:
+    """The footer, or None when ``data`` does not end like a checkpoint of this library.
+
+    Raises:
+        IntegrityError: it has the magic but is damaged, or is from a newer format version.
+    """
+    if len(data) != FOOTER_SIZE or data[:8] != MAGIC:
+        return None
+    body, digest = data[: _FOOTER.size], int.from_bytes(data[_FOOTER.size :], "little")
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise IntegrityError(f"{where}: the checkpoint's footer does not match its checksum")
+    _, version, flags, offset, length, manifest_digest = _FOOTER.unpack(body)
+    if version > FORMAT_VERSION:
+        raise IntegrityError(
+            f"{where} is a version {version} checkpoint; this asyncstore reads up to version "
+            f"{FORMAT_VERSION}: upgrade asyncstore to load it"
+        )
+    return Footer(version, flags, offset, length, manifest_digest)
+
+
+_manifest_decoder = msgspec.msgpack.Decoder(Manifest)
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    return msgspec.msgpack.encode(manifest)
+
+
+def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
+    if xxhash.xxh3_64_intdigest(data) != footer.manifest_xxh3:
+        raise IntegrityError(f"{where}: the checkpoint's manifest does not match its checksum")
+    try:
+        manifest = _manifest_decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        raise IntegrityError(f"{where}: the checkpoint's manifest is malformed ({exc})") from None
+    if digest_of(manifest) != manifest.digest:
+        raise IntegrityError(f"{where}: the checkpoint's chunk digest does not match")
+    return manifest
+
+
+def digest_of(manifest: Manifest) -> int:
+    """The whole-checkpoint digest: xxh3-64 over every chunk's stored digest, in file order."""
+    chunks = [manifest.structure] + [c for s in manifest.storages for c in s.chunks]
+    chunks.sort(key=lambda c: c.offset)
+    return xxhash.xxh3_64_intdigest(b"".join(c.stored_xxh3.to_bytes(8, "little") for c in chunks))
+
+
+# -- codecs ----------------------------------------------------------------------------------
+
+
+def shuffle(data: memoryview, width: int) -> bytearray:
+    """Group the bytes of ``width``-byte elements by position: all first bytes, then all
+    second bytes…; exponents and signs of floats then sit together and compress well.
+    A tail shorter than an element is kept as it is."""
+    import torch
+
+    out = bytearray(len(data))
+    whole = len(data) - len(data) % width
+    if whole:
+        elements = torch.frombuffer(data, dtype=torch.uint8, count=whole).view(-1, width)
+        grouped = torch.frombuffer(out, dtype=torch.uint8, count=whole).view(width, -1)
+        grouped.copy_(elements.t())
+    out[whole:] = data[whole:]
+    return out
+
+
+def unshuffle(data: bytearray, width: int, out: memoryview) -> None:
+    """Undo :func:`shuffle` into ``out`` (``len(data)`` bytes)."""
+    import torch
+
+    whole = len(data) - len(data) % width
+    if whole:
+        grouped = torch.frombuffer(data, dtype=torch.uint8, count=whole).view(width, -1)
+        elements = torch.frombuffer(out, dtype=torch.uint8, count=whole).view(-1, width)
+        elements.copy_(grouped.t())
+    out[whole : len(data)] = data[whole:]
+
+
+def compress(data: memoryview, codec: str, level: int) -> bytes:
+    """Encode ``data`` with ``codec`` (not "raw")."""
+    width = _width(codec)
+    payload: bytearray | memoryview = shuffle(data, width) if width else data
+    return zstandard.ZstdCompressor(level=level).compress(payload)
+
+
+def decode_into(stored: bytes | memoryview, codec: str, out: memoryview) -> None:
+    """Decode ``stored`` into ``out``, which must be exactly the raw size.
+
+    Raises:
+        IntegrityError: the bytes do not decode to exactly ``len(out)`` bytes (the caller
+            adds where).
+    """
+    if codec == "raw":
+        if len(stored) != len(out):
+            raise IntegrityError(f"it holds {len(stored)} bytes, expected {len(out)}")
+        out[:] = stored
+        return
+    if codec not in CODECS:
+        raise IntegrityError(f"its codec {codec!r} is unknown")
+    width = _width(codec)
+    target = bytearray(len(out)) if width else out
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+            got = 0
+            view = memoryview(target)
+            while got < len(view):
+                n = reader.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise IntegrityError(f"zstd could not decode it ({exc})") from None
+    if got != len(out) or extra:
+        raise IntegrityError(f"it does not decode to the {len(out)} bytes expected")
+    if width:
+        assert isinstance(target, bytearray)
+        unshuffle(target, width, out)
+
+
+def _width(codec: str) -> int:
+    return int(codec.removeprefix("zstd+shuffle")) if codec.startswith("zstd+shuffle") else 0

@@ -1,0 +1,379 @@
+"""Loading a checkpoint: footer, manifest, then only the chunks needed, each verified."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import Iterable, Mapping
+from typing import Any, TypedDict
+
+import anyio
+import torch
+import xxhash
+
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
+from . import _format as fmt
+from ._pickle import PlainUnpickler, RestrictedUnpickler, dtype_of
+from ._save import _view
+from ._target import FileSource, Source, StoreSource, resolve
+
+__all__ = ["load", "read_manifest"]
+
+# Chunks read at once: enough to keep S3 busy, few enough to bound memory.
+_READS = 8
+
+
+class LoadOptions(TypedDict, total=False):
+    """The keyword options of :func:`load` (for the sync adapter that forwards them)."""
+
+    weights_only: bool
+    keys: Iterable[str] | None
+    into: dict[str, Any] | None
+    safe_globals: Iterable[Any]
+    store_options: dict[str, Any] | None
+
+
+async def read_manifest(source: Source) -> fmt.Manifest | None:
+    """The checkpoint's manifest, verified; None for an object that is not one of ours."""
+    size = await source.size()
+    if size < fmt.FOOTER_SIZE:
+        return None
+    footer = fmt.decode_footer(await source.read(size - fmt.FOOTER_SIZE, size), source.url)
+    if footer is None:
+        return None
+    end = footer.manifest_offset + footer.manifest_length
+    if end > size - fmt.FOOTER_SIZE:
+        raise IntegrityError(f"{source.url}: the footer points past the end of the checkpoint")
+    data = await source.read(footer.manifest_offset, end)
+    return fmt.decode_manifest(data, footer, source.url)
+
+
+class _Reader:
+    def __init__(self, source: Source, manifest: fmt.Manifest) -> None:
+        self.source = source
+        self.manifest = manifest
+        self.reads = anyio.CapacityLimiter(_READS)
+        self.decoders = anyio.CapacityLimiter(4)
+
+    async def chunk_into(self, chunk: fmt.Chunk, out: memoryview, what: str) -> None:
+        async with self.reads:
+            stored = await self.source.read(chunk.offset, chunk.offset + chunk.stored)
+        await self.decode_into(stored, chunk, out, what)
+
+    async def decode_into(
+        self, stored: bytes, chunk: fmt.Chunk, out: memoryview, what: str
+    ) -> None:
+        await anyio.to_thread.run_sync(
+            self._decode, stored, chunk, out, what, limiter=self.decoders
+        )
+
+    def _decode(self, stored: bytes, chunk: fmt.Chunk, out: memoryview, what: str) -> None:
+        if len(stored) != chunk.stored or xxhash.xxh3_64_intdigest(stored) != chunk.stored_xxh3:
+            raise IntegrityError(
+                f"{self.source.url}: {what} (bytes {chunk.offset}-{chunk.offset + chunk.stored}) "
+                "does not match its checksum: the checkpoint is damaged; load an earlier one"
+            )
+        try:
+            fmt.decode_into(stored, chunk.codec, out)
+        except IntegrityError as exc:
+            raise IntegrityError(f"{self.source.url}: {what} cannot be decoded: {exc}") from None
+        if chunk.codec != "raw" and xxhash.xxh3_64_intdigest(out) != chunk.raw_xxh3:
+            raise IntegrityError(
+                f"{self.source.url}: {what} decodes to bytes that do not match their checksum"
+            )
+
+    async def structure(self) -> bytes:
+        chunk = self.manifest.structure
+        out = bytearray(chunk.raw)
+        # One read from the start: the header, then the structure right after it.
+        data = await self.source.read(0, chunk.offset + chunk.stored)
+        if data[: len(fmt.MAGIC)] != fmt.MAGIC:
+            raise IntegrityError(f"{self.source.url}: the checkpoint's header is damaged")
+        stored = data[chunk.offset :]
+        await self.decode_into(stored, chunk, memoryview(out), "the pickled structure")
+        return bytes(out)
+
+    async def storage(self, entry: fmt.Storage) -> torch.UntypedStorage:
+        flat = torch.empty(entry.nbytes, dtype=torch.uint8)
+        position, jobs = 0, []
+        for index, chunk in enumerate(entry.chunks):
+            if position + chunk.raw > entry.nbytes:
+                raise IntegrityError(
+                    f"{self.source.url}: tensor {entry.name!r} overflows its storage"
+                )
+            what = f"chunk {index} of tensor {entry.name!r}"
+            jobs.append(self.chunk_into(chunk, _view(flat, position, chunk.raw), what))
+            position += chunk.raw
+        if position != entry.nbytes:
+            raise IntegrityError(
+                f"{self.source.url}: tensor {entry.name!r} has {position} of {entry.nbytes} bytes"
+            )
+        await _gather(jobs)
+        return flat.untyped_storage()
+
+
+async def _gather(jobs: list[Any]) -> None:
+    # All or nothing: the first error cancels the rest and is raised as it is.
+    tasks = [asyncio.ensure_future(job) for job in jobs]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _device_for(location: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        target = location
+    elif isinstance(map_location, str | torch.device):
+        target = str(map_location)
+    elif isinstance(map_location, Mapping):
+        target = str(map_location.get(location, location))
+    else:
+        raise InvalidArgument(
+            f"map_location={map_location!r}: pass a device ('cpu', 'cuda:0'), a torch.device "
+            "or a dict from saved to target locations"
+        )
+    device = torch.device(target)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidArgument(
+            f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
+            "here: pass map_location='cpu'"
+        )
+    return device
+
+
+def _to(storage: torch.UntypedStorage, device: torch.device) -> torch.UntypedStorage:
+    if storage.device == device:
+        return storage
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat.to(device).untyped_storage()
+
+
+async def load(
+    source: Any,
+    *,
+    map_location: Any = None,
+    weights_only: bool = True,
+    keys: Iterable[str] | None = None,
+    into: dict[str, Any] | None = None,
+    safe_globals: Iterable[Any] = (),
+    store_options: dict[str, Any] | None = None,
+) -> Any:
+    """Load a checkpoint written by :func:`asyncstore.save` (or a ``torch.save`` file).
+
+    Every chunk is verified against its checksum before use.
+
+    Args:
+        source: a URL, a local path, a ``(store, key)`` pair or a readable, seekable binary
+            file object.
+        map_location: where tensors go: a device (``"cpu"``, ``"cuda:1"``), or a dict from
+            saved locations to devices; default: where they were saved from.
+        weights_only: only tensors, containers and plain values are unpickled (the default;
+            a crafted checkpoint cannot run code). ``False`` unpickles anything: only for
+            checkpoints you trust.
+        keys: for a saved dict, load only these entries; only their chunks are read.
+        into: a dict of existing tensors (a model's ``state_dict()``) to fill in place,
+            one storage at a time: no second copy of the model is made. Returns ``into``.
+        safe_globals: extra classes or functions ``weights_only=True`` may unpickle.
+        store_options: options for ``open_store`` when ``source`` is a URL or path.
+
+    Raises:
+        IntegrityError: a byte of the checkpoint changed; the message names the tensor,
+            the chunk and the URL.
+        UnsafeCheckpoint: ``weights_only=True`` met a global outside the allow-list.
+        NotFound: there is no checkpoint at ``source``.
+        InvalidArgument: a bad argument, or ``keys``/``into`` naming entries the checkpoint
+            does not have.
+    """
+    if not isinstance(weights_only, bool):
+        raise InvalidArgument(f"weights_only={weights_only!r}: pass True or False")
+    if keys is not None and into is not None:
+        raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
+    wanted = None
+    if keys is not None:
+        if isinstance(keys, str):
+            raise InvalidArgument(f"keys={keys!r}: pass a list of entry names, not one str")
+        wanted = list(keys)
+    if into is not None:
+        if not isinstance(into, dict):
+            raise InvalidArgument(
+                f"into= takes a dict such as model.state_dict(), not {type(into).__name__}"
+            )
+        wanted = list(into)
+    resolved = resolve(source, store_options, writing=False)
+    src: Source
+    if resolved.file is not None:
+        src = FileSource(resolved.file)
+    else:
+        assert resolved.store is not None
+        assert resolved.key is not None
+        src = StoreSource(resolved.store, resolved.key, resolved.local_path)
+    try:
+        manifest = await read_manifest(src)
+        if manifest is None:
+            size = await src.size()
+            head = await src.read(0, min(size, len(fmt.MAGIC)))
+            if head == fmt.MAGIC:
+                raise IntegrityError(
+                    f"{src.url} is an asyncstore checkpoint whose footer is damaged or missing "
+                    "(cut short?); load an earlier one"
+                )
+            if not head.startswith((b"PK\x03\x04", b"\x80")):
+                raise IntegrityError(
+                    f"{src.url} is neither an asyncstore checkpoint nor a torch.save file"
+                )
+            return await _load_torch(src, map_location, weights_only, wanted, into)
+        return await _load(src, manifest, map_location, weights_only, wanted, into, safe_globals)
+    finally:
+        await resolved.aclose()
+
+
+async def _load(
+    src: Source,
+    manifest: fmt.Manifest,
+    map_location: Any,
+    weights_only: bool,
+    wanted: list[str] | None,
+    into: dict[str, Any] | None,
+    safe_globals: Iterable[Any],
+) -> Any:
+    reader = _Reader(src, manifest)
+    by_id = {entry.id: entry for entry in manifest.storages}
+    needed = set(by_id)
+    if wanted is not None:
+        if manifest.entries is None:
+            raise InvalidArgument(
+                f"{src.url} does not hold a dict with str keys: keys= and into= need one"
+            )
+        missing = [k for k in wanted if k not in manifest.entries]
+        if missing:
+            some = ", ".join(repr(k) for k in list(manifest.entries)[:8])
+            raise InvalidArgument(
+                f"{src.url} has no entries {missing!r} (it has {some}"
+                f"{', …' if len(manifest.entries) > 8 else ''})"
+            )
+        needed = {sid for k in wanted for sid in manifest.entries[k]}
+    structure = await reader.structure()
+    storages: dict[int, torch.UntypedStorage] = {}
+    if into is None:
+        loaded = [reader.storage(by_id[sid]) for sid in sorted(needed)]
+        results: dict[int, torch.UntypedStorage] = {}
+
+        async def one(sid: int, job: Any) -> None:
+            results[sid] = await job
+
+        await _gather([one(sid, job) for sid, job in zip(sorted(needed), loaded, strict=True)])
+        for sid, storage in results.items():
+            storages[sid] = _to(storage, _device_for(by_id[sid].location, map_location))
+    meta: dict[int, int] = {}  # meta storage's C pointer -> storage id (for into=)
+
+    def persistent_load(pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage"):
+            raise IntegrityError(f"{src.url}: the structure names an unknown object {pid!r}")
+        _, sid, dtype = pid
+        entry = by_id.get(sid)
+        if entry is None:
+            raise IntegrityError(f"{src.url}: the structure names a storage {sid!r} it lacks")
+        storage = storages.get(sid)
+        if storage is None:  # not needed (keys=/into=): a placeholder without memory
+            storage = torch.UntypedStorage(entry.nbytes, device="meta")  # type: ignore[no-untyped-call]
+            meta[storage._cdata] = sid
+        return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=storage, dtype=dtype_of(dtype), _internal=True
+        )
+
+    stream = io.BytesIO(structure)
+    unpickler = (
+        RestrictedUnpickler(stream, persistent_load, src.url, safe_globals)
+        if weights_only
+        else PlainUnpickler(stream, persistent_load)
+    )
+    try:
+        obj = unpickler.load()
+    except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"{src.url}: the pickled structure cannot be loaded ({exc})") from exc
+    if wanted is None:
+        return obj
+    if into is None:
+        return type(obj)((k, obj[k]) for k in wanted)
+    await _fill(reader, by_id, obj, into, meta, src.url)
+    return into
+
+
+async def _fill(
+    reader: _Reader,
+    by_id: dict[int, fmt.Storage],
+    obj: Mapping[str, Any],
+    into: dict[str, Any],
+    meta: dict[int, int],
+    url: str,
+) -> None:
+    # One storage at a time: read it, copy its tensors into place, let it go.
+    users: dict[int, list[str]] = {}
+    for key in into:
+        loaded, target = obj[key], into[key]
+        if isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
+            if loaded.shape != target.shape or loaded.dtype != target.dtype:
+                raise InvalidArgument(
+                    f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
+                    f"holds {tuple(loaded.shape)} {loaded.dtype}"
+                )
+            users.setdefault(meta[loaded.untyped_storage()._cdata], []).append(key)
+        else:
+            into[key] = loaded
+    for sid, names in users.items():
+        storage = await reader.storage(by_id[sid])
+        for key in names:
+            loaded = obj[key]
+            view = torch.empty(0, dtype=loaded.dtype).set_(
+                storage, loaded.storage_offset(), loaded.shape, loaded.stride()
+            )
+            with torch.no_grad():
+                into[key].copy_(view)
+        del storage
+
+
+async def _load_torch(
+    src: Source,
+    map_location: Any,
+    weights_only: bool,
+    wanted: list[str] | None,
+    into: dict[str, Any] | None,
+) -> Any:
+    # Not one of ours: a torch.save file, loaded by torch (users switch without converting).
+    def run(file: Any) -> Any:
+        return torch.load(file, map_location=map_location, weights_only=weights_only)
+
+    try:
+        if src.local_path is not None:
+            obj = await anyio.to_thread.run_sync(run, src.local_path)
+        elif isinstance(src, FileSource):
+            src.rewind()
+            obj = await anyio.to_thread.run_sync(run, src._file)
+        else:
+            data = await src.read(0, await src.size())
+            obj = await anyio.to_thread.run_sync(run, io.BytesIO(data))
+    except Exception as exc:
+        if "weights_only" in str(exc) or "Weights only" in str(exc):
+            raise UnsafeCheckpoint(
+                f"{src.url} is a torch.save file that weights_only=True refuses: {exc}"
+            ) from exc
+        raise IntegrityError(
+            f"{src.url} is neither an asyncstore checkpoint nor a file torch.load reads ({exc})"
+        ) from exc
+    if wanted is None:
+        return obj
+    if into is not None:
+        with torch.no_grad():
+            for key in into:
+                if isinstance(into[key], torch.Tensor):
+                    into[key].copy_(obj[key])
+                else:
+                    into[key] = obj[key]
+        return into
+    return type(obj)((k, obj[k]) for k in wanted)

@@ -1,0 +1,199 @@
+"""Pickling a checkpoint's structure, with tensor storages as persistent ids.
+
+As ``torch.save`` does, every tensor is pickled as a rebuild of a view (offset, sizes,
+strides) into a storage, and each storage is pickled as a persistent id: its bytes travel
+separately, in chunks. Views, non-contiguous tensors and storages shared by several tensors
+(tied weights) therefore come back exactly as they were, sharing included.
+
+Loading with ``weights_only=True`` uses :class:`RestrictedUnpickler`, which resolves only an
+allow-list of globals (tensor rebuild functions, dtypes, devices, containers), so a crafted
+checkpoint cannot import or call anything else.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import io
+import pickle
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError, UnsafeCheckpoint
+
+__all__ = ["StoragePickler", "RestrictedUnpickler", "SavedStorage", "dtype_name", "dtype_of"]
+
+PROTOCOL = 4
+
+
+class SavedStorage:
+    """A storage met while pickling: its bytes are saved as chunks."""
+
+    __slots__ = ("dtype", "id", "location", "name", "storage")
+
+    def __init__(
+        self, id: int, storage: torch.UntypedStorage, dtype: torch.dtype, name: str
+    ) -> None:
+        self.id = id
+        self.storage = storage
+        self.dtype = dtype
+        self.location = str(storage.device)
+        self.name = name
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.storage.nbytes())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise IntegrityError(f"the checkpoint names an unknown dtype {name!r}")
+    return dtype
+
+
+class StoragePickler(pickle.Pickler):
+    """Pickles an object, replacing every tensor storage with ``("storage", id, dtype)``."""
+
+    def __init__(self, file: io.BytesIO, storages: dict[int, SavedStorage]) -> None:
+        super().__init__(file, protocol=PROTOCOL)
+        self.storages = storages  # by the storage's C pointer, shared across picklers
+        self.entry = ""  # the top-level entry being pickled, for names in messages
+        self.seen: set[int] = set()  # storage ids this pickler referenced
+
+    def persistent_id(self, obj: Any) -> tuple[str, int, str] | None:
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, torch.uint8
+        else:
+            return None
+        if untyped.device.type == "meta":
+            raise UnsafeCheckpoint(
+                f"entry {self.entry or 'the object'!r} holds a tensor on the meta device, which "
+                "has no data to save; materialise it first"
+            )
+        key = untyped._cdata
+        saved = self.storages.get(key)
+        if saved is None:
+            saved = SavedStorage(len(self.storages), untyped, dtype, self.entry or "<object>")
+            self.storages[key] = saved
+        self.seen.add(saved.id)
+        return ("storage", saved.id, dtype_name(dtype))
+
+
+def pickle_structure(
+    obj: Any,
+) -> tuple[bytes, list[SavedStorage], dict[str, list[int]] | None]:
+    """Pickle ``obj``; returns the bytes, the storages in order, and for a dict with str
+    keys, each key's storage ids (so that a partial load reads only those)."""
+    storages: dict[int, SavedStorage] = {}
+    entries: dict[str, list[int]] | None = None
+    buffer = io.BytesIO()
+    try:
+        if type(obj) in (dict, collections.OrderedDict) and all(isinstance(k, str) for k in obj):
+            # A pass per entry records which storages it uses (and names storages after the
+            # entry); only tensor metadata is pickled, not tensor bytes, so this is cheap.
+            entries = {}
+            for key, value in obj.items():
+                probe = StoragePickler(io.BytesIO(), storages)
+                probe.entry = key
+                probe.dump(value)
+                entries[key] = sorted(probe.seen)
+        StoragePickler(buffer, storages).dump(obj)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
+    return buffer.getvalue(), list(storages.values()), entries
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _allowed() -> dict[tuple[str, str], Any]:
+    allowed: dict[tuple[str, str], Any] = {
+        ("collections", "OrderedDict"): collections.OrderedDict,
+        ("collections", "defaultdict"): collections.defaultdict,
+        ("builtins", "set"): builtins.set,
+        ("builtins", "frozenset"): builtins.frozenset,
+        ("builtins", "complex"): builtins.complex,
+        ("builtins", "slice"): builtins.slice,
+        ("builtins", "range"): builtins.range,
+        ("builtins", "bytearray"): builtins.bytearray,
+        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+        ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
+        ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+        ("torch._utils", "_rebuild_parameter_with_state"): (
+            torch._utils._rebuild_parameter_with_state
+        ),
+        ("torch", "Size"): torch.Size,
+        ("torch", "device"): torch.device,
+        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    }
+    for name in dir(torch):
+        value = getattr(torch, name, None)
+        if isinstance(value, torch.dtype):
+            allowed["torch", name] = value
+    for storage_type in ("FloatStorage", "HalfStorage", "BFloat16Storage", "LongStorage"):
+        if hasattr(torch, storage_type):
+            allowed["torch", storage_type] = getattr(torch, storage_type)
+    return allowed
+
+
+_ALLOWED: dict[tuple[str, str], Any] | None = None
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Unpickles only tensors, containers and plain values (``weights_only=True``).
+
+    Any other global — a class, a function, ``os.system`` — raises
+    :class:`~asyncstore.UnsafeCheckpoint` before it is imported, unless the caller allowed
+    it with ``safe_globals``.
+    """
+
+    def __init__(
+        self,
+        file: io.BytesIO,
+        persistent_load: Callable[[Any], Any],
+        where: str,
+        safe_globals: Iterable[Any] = (),
+    ) -> None:
+        super().__init__(file)
+        global _ALLOWED
+        if _ALLOWED is None:
+            _ALLOWED = _allowed()
+        self._allowed = dict(_ALLOWED)
+        for value in safe_globals:
+            self._allowed[value.__module__, value.__qualname__] = value
+        self._persistent = persistent_load
+        self._where = where
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._persistent(pid)
+
+    def find_class(self, module: str, name: str) -> Any:
+        value = self._allowed.get((module, name))
+        if value is None:
+            raise UnsafeCheckpoint(
+                f"{self._where} holds {module}.{name}, which weights_only=True does not load "
+                "(only tensors, containers and plain values). If you trust where this "
+                "checkpoint came from, pass weights_only=False, or allow that one name with "
+                f"safe_globals=[{module}.{name}]"
+            )
+        return value
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Unpickles anything (``weights_only=False``): only for checkpoints you trust."""
+
+    def __init__(self, file: io.BytesIO, persistent_load: Callable[[Any], Any]) -> None:
+        super().__init__(file)
+        self._persistent = persistent_load
+
+    def persistent_load(self, pid: Any) -> Any:
+        return self._persistent(pid)

@@ -1,0 +1,673 @@
+"""The save pipeline: snapshot into staging, then compress, checksum and write, overlapped.
+
+The caller waits for the snapshot only: tensor bytes copied into slabs of a reusable staging
+pool (pinned host memory when CUDA is present, device-to-host copies on a side stream).
+Each full slab (a *segment*: one or more chunks) then goes to a worker thread that encodes
+and checksums its chunks, while a writer task streams finished segments, in order, into the
+target — a store's atomic writer (local temp file + fsync + rename, or an S3 multipart
+upload) or a file object. The manifest and footer are written last; closing the writer is
+the commit point. A state larger than the pool streams through it: the snapshot then waits
+for slabs to come back (back-pressure), so the caller waits longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fnmatch
+import os
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypedDict
+
+import anyio
+import msgspec
+import torch
+import xxhash
+
+from ..errors import AsyncStoreError, InvalidArgument
+from ..stores import LocalStore, S3Store
+from . import _format as fmt
+from ._pickle import SavedStorage, dtype_name, pickle_structure
+from ._target import FileSink, Sink, StoreSink, resolve
+
+__all__ = ["save", "SaveHandle", "SaveResult", "StagingPool", "staging_pool"]
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+DEFAULT_CHUNK_BYTES = 32 * MiB
+DEFAULT_STAGING_BYTES = 2 * GiB
+
+# Chunks smaller than this are stored raw: compressing them saves nothing worth a codec.
+_SMALL = 64 * 1024
+# "auto" probes this much of a storage's first chunk.
+_PROBE = 1 * MiB
+# "auto" compresses a storage only if the probe shrank it to this fraction or less.
+_WORTH = 0.92
+# Threads encoding segments at once: also bounds compressed output held in memory.
+_ENCODERS = max(1, min(4, os.cpu_count() or 1))
+
+
+class SaveOptions(TypedDict, total=False):
+    """The keyword options of :func:`save` (for the sync adapters that forward them)."""
+
+    compression: Literal["auto", "zstd"] | None
+    level: int
+    chunk_bytes: int
+    staging_bytes: int
+    exclude: Iterable[str]
+    metadata: dict[str, Any] | None
+    store_options: dict[str, Any] | None
+
+
+class SaveResult(msgspec.Struct, frozen=True):
+    """What a finished save did.
+
+    Attributes:
+        url: where the checkpoint was written.
+        raw_bytes: tensor bytes plus the pickled structure, before compression.
+        stored_bytes: bytes written, manifest and footer included.
+        storages: tensor storages saved.
+        chunks: chunks written.
+        compressed_storages: storages stored compressed.
+        snapshot_seconds: how long the caller waited (the snapshot).
+        total_seconds: from the call to the commit.
+        digest: the whole-checkpoint digest (hex xxh3-64 over every chunk's digest).
+    """
+
+    url: str
+    raw_bytes: int
+    stored_bytes: int
+    storages: int
+    chunks: int
+    compressed_storages: int
+    snapshot_seconds: float
+    total_seconds: float
+    digest: str
+
+
+class SaveHandle:
+    """A save in progress: returned once the snapshot is taken.
+
+    ``await handle`` (or :meth:`wait`) gives the :class:`SaveResult` or raises the save's
+    error; :meth:`done` tells whether it finished; :meth:`result` gives the outcome of a
+    finished save.
+    """
+
+    def __init__(self, task: asyncio.Task[SaveResult], url: str) -> None:
+        self._task = task
+        self.url = url
+
+    def __repr__(self) -> str:
+        state = "done" if self._task.done() else "writing"
+        return f"<SaveHandle {self.url} {state}>"
+
+    def __await__(self) -> Any:
+        return self.wait().__await__()
+
+    async def wait(self) -> SaveResult:
+        """Wait for the save to commit; the result, or the save's error."""
+        return await asyncio.shield(self._task)
+
+    def done(self) -> bool:
+        """Whether the save finished (committed or failed)."""
+        return self._task.done()
+
+    def result(self) -> SaveResult:
+        """The result of a finished save, or its error.
+
+        Raises:
+            AsyncStoreError: the save is still writing (await the handle instead).
+        """
+        if not self._task.done():
+            raise AsyncStoreError(f"the save to {self.url} is still writing; await the handle")
+        return self._task.result()
+
+    def cancel(self) -> None:
+        """Abandon the save: nothing is committed, the previous checkpoint stays."""
+        self._task.cancel()
+
+
+# -- staging ---------------------------------------------------------------------------------
+
+
+class StagingPool:
+    """Slabs of host memory reused from save to save, under a byte budget.
+
+    Slabs are allocated on demand, up to ``budget`` bytes, and kept: a second save of the
+    same state allocates nothing. Pinned (page-locked) when CUDA is available, so that
+    device-to-host copies run asynchronously at full speed.
+    """
+
+    def __init__(self, slab_bytes: int, pinned: bool) -> None:
+        self.slab_bytes = slab_bytes
+        self.pinned = pinned
+        self.budget = DEFAULT_STAGING_BYTES
+        self._free: list[torch.Tensor] = []
+        self.allocated = 0  # slabs in existence (free or in use)
+        self._returned = asyncio.Event()
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes of slabs in existence (free or in use)."""
+        return self.allocated * self.slab_bytes
+
+    async def acquire(self) -> torch.Tensor:
+        """A free slab; waits while the budget is spent and every slab is in use."""
+        while True:
+            if self._free:
+                return self._free.pop()
+            if (self.allocated + 1) * self.slab_bytes <= self.budget:
+                self.allocated += 1
+                try:
+                    return torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
+                except BaseException:
+                    self.allocated -= 1
+                    raise
+            self._returned.clear()
+            await self._returned.wait()
+
+    def release(self, slab: torch.Tensor) -> None:
+        """Give a slab back for the next segment or save."""
+        if self.allocated_bytes > self.budget:
+            self.allocated -= 1  # the budget was lowered: let this one go
+        else:
+            self._free.append(slab)
+        self._returned.set()
+
+    def trim(self) -> None:
+        """Free every slab not in use (the next save allocates again)."""
+        self.allocated -= len(self._free)
+        self._free.clear()
+
+
+_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[int, bool], StagingPool]]
+_POOLS = weakref.WeakKeyDictionary()
+
+
+def staging_pool(chunk_bytes: int = DEFAULT_CHUNK_BYTES, pinned: bool | None = None) -> StagingPool:
+    """This event loop's staging pool for ``chunk_bytes`` slabs (created on first use)."""
+    loop = asyncio.get_running_loop()
+    if pinned is None:
+        pinned = torch.cuda.is_available()
+    pools = _POOLS.setdefault(loop, {})
+    pool = pools.get((chunk_bytes, pinned))
+    if pool is None:
+        pool = pools[(chunk_bytes, pinned)] = StagingPool(chunk_bytes, pinned)
+    return pool
+
+
+def _view(tensor: torch.Tensor, start: int = 0, size: int | None = None) -> memoryview:
+    # A writable byte view of a CPU uint8 tensor's memory, without a copy (no numpy needed).
+    size = tensor.numel() - start if size is None else size
+    if size == 0:
+        return memoryview(b"")
+    array = (ctypes.c_ubyte * size).from_address(tensor.data_ptr() + start)
+    return memoryview(array).cast("B")
+
+
+def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
+    # A flat uint8 tensor over a storage's bytes, on its device.
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+# -- one save --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Piece:
+    storage: SavedStorage
+    index: int  # chunk number within the storage
+    start: int  # offset in the slab
+    size: int
+    source: torch.Tensor  # the storage's bytes to copy
+
+
+@dataclass
+class _Segment:
+    slab: torch.Tensor
+    pieces: list[_Piece] = field(default_factory=list)
+    used: int = 0
+    ready: Any = None  # a CUDA event when the copies run on a side stream
+
+
+@dataclass
+class _Encoded:
+    piece: _Piece
+    codec: str
+    stored: memoryview | bytes
+    stored_xxh3: int
+    raw_xxh3: int
+
+
+_BANDWIDTH: dict[str, float] = {}  # bytes/s seen per sink root, for "auto"
+
+
+class _Decisions:
+    """Per storage, whether "auto" compresses it: decided by a probe of its first chunk."""
+
+    def __init__(self, compression: str | None, level: int, exclude: tuple[str, ...]) -> None:
+        self.compression, self.level, self.exclude = compression, level, exclude
+        self._codecs: dict[int, str] = {}
+        self._decided: dict[int, Any] = {}
+        self.bandwidth: float | None = None
+
+    def codec_for(self, piece: _Piece, data: memoryview) -> str:
+        storage = piece.storage
+        if self.compression is None or piece.size < _SMALL:
+            return "raw"
+        if any(fnmatch.fnmatchcase(storage.name, pattern) for pattern in self.exclude):
+            return "raw"
+        width = torch.empty(0, dtype=storage.dtype).element_size()
+        codec = f"zstd+shuffle{width}" if width in (2, 4) else "zstd"
+        if self.compression == "zstd":
+            return codec
+        known = self._codecs.get(storage.id)
+        if known is not None:
+            return known
+        # "auto": probe the first chunk we meet of this storage.
+        sample = data[: min(len(data), _PROBE)]
+        started = time.perf_counter()
+        ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
+        speed = len(sample) / max(time.perf_counter() - started, 1e-9)
+        keeps_up = self.bandwidth is None or speed * _ENCODERS >= 1.1 * self.bandwidth
+        decision = codec if ratio <= _WORTH and keeps_up else "raw"
+        self._codecs[storage.id] = decision
+        return decision
+
+
+class _SaveJob:
+    def __init__(
+        self,
+        sink: Sink,
+        structure: bytes,
+        storages: list[SavedStorage],
+        entries: dict[str, list[int]] | None,
+        metadata: dict[str, Any],
+        pool: StagingPool,
+        decisions: _Decisions,
+        bandwidth_key: str,
+    ) -> None:
+        self.sink = sink
+        self.structure = structure
+        self.storages = storages
+        self.entries = entries
+        self.metadata = metadata
+        self.pool = pool
+        self.decisions = decisions
+        self.bandwidth_key = bandwidth_key
+        self.queue: asyncio.Queue[asyncio.Future[tuple[_Segment, list[_Encoded]]] | None] = (
+            asyncio.Queue()
+        )
+        self.encoders = anyio.CapacityLimiter(_ENCODERS)
+        self.copier = anyio.CapacityLimiter(1)
+        self.chunks: dict[int, list[fmt.Chunk]] = {s.id: [] for s in storages}
+        self.held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
+        self.tasks: list[asyncio.Future[tuple[_Segment, list[_Encoded]]]] = []
+        self.writer: asyncio.Future[SaveResult] | None = None
+        self.stream: Any = None
+        self.write_seconds = 0.0
+        self.written = 0
+        self.snapshot_seconds = 0.0
+
+    # -- snapshot (the caller waits for this) -------------------------------------------------
+
+    async def snapshot(self) -> None:
+        started = time.perf_counter()
+        chunk = self.pool.slab_bytes
+        if any(s.storage.device.type == "cuda" for s in self.storages):
+            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            self.stream.wait_stream(torch.cuda.current_stream())
+        segment: _Segment | None = None
+        for saved in self.storages:
+            source = _bytes_of(saved.storage)
+            for index, start in enumerate(range(0, saved.nbytes, chunk)):
+                size = min(chunk, saved.nbytes - start)
+                if segment is None or segment.used + size > chunk:
+                    if segment is not None:
+                        await self._submit(segment)
+                    segment = await self._segment()
+                piece = _Piece(saved, index, segment.used, size, source[start : start + size])
+                segment.pieces.append(piece)
+                segment.used += size
+        if segment is not None:
+            await self._submit(segment)
+        if self.stream is not None:
+            # The caller's later kernels wait for our copies; its thread does not.
+            torch.cuda.current_stream().wait_stream(self.stream)
+        self.snapshot_seconds = time.perf_counter() - started
+        await self.queue.put(None)
+
+    async def _segment(self) -> _Segment:
+        # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
+        acquire = asyncio.ensure_future(self.pool.acquire())
+        waiting: set[asyncio.Future[Any]] = {acquire}
+        if self.writer is not None:
+            waiting.add(self.writer)
+        try:
+            await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not acquire.done():
+                acquire.cancel()
+                await asyncio.gather(acquire, return_exceptions=True)
+        if not acquire.cancelled() and acquire.exception() is None:
+            slab = acquire.result()
+            self.held[id(slab)] = slab
+            if self.writer is None or not self.writer.done():
+                return _Segment(slab)
+        assert self.writer is not None
+        assert self.writer.done()
+        self.writer.result()  # raises the writer's error
+        raise AsyncStoreError(f"the save to {self.sink.url} stopped writing")
+
+    def release(self, slab: torch.Tensor) -> None:
+        if self.held.pop(id(slab), None) is not None:
+            self.pool.release(slab)
+
+    def release_all(self) -> None:
+        for slab in list(self.held.values()):
+            self.release(slab)
+
+    async def _submit(self, segment: _Segment) -> None:
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self._copy(segment, non_blocking=True)
+                segment.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                segment.ready.record(self.stream)
+        else:
+            # One thread hop per segment; torch's copy releases the GIL.
+            await anyio.to_thread.run_sync(self._copy, segment, False, limiter=self.copier)
+        task = asyncio.ensure_future(self._encode(segment))
+        self.tasks.append(task)
+        await self.queue.put(task)
+
+    @staticmethod
+    def _copy(segment: _Segment, non_blocking: bool) -> None:
+        for piece in segment.pieces:
+            target = segment.slab[piece.start : piece.start + piece.size]
+            target.copy_(piece.source, non_blocking=non_blocking)
+            piece.source = target  # the live tensor is no longer needed
+
+    # -- encode (worker threads) ---------------------------------------------------------------
+
+    async def _encode(self, segment: _Segment) -> tuple[_Segment, list[_Encoded]]:
+        encoded = await anyio.to_thread.run_sync(self._encode_sync, segment, limiter=self.encoders)
+        return segment, encoded
+
+    def _encode_sync(self, segment: _Segment) -> list[_Encoded]:
+        if segment.ready is not None:
+            segment.ready.synchronize()
+        out = []
+        for piece in segment.pieces:
+            raw = _view(segment.slab, piece.start, piece.size)
+            codec = self.decisions.codec_for(piece, raw)
+            raw_xxh3 = xxhash.xxh3_64_intdigest(raw)
+            if codec == "raw":
+                out.append(_Encoded(piece, codec, raw, raw_xxh3, raw_xxh3))
+                continue
+            stored = fmt.compress(raw, codec, self.decisions.level)
+            if len(stored) >= piece.size:
+                out.append(_Encoded(piece, "raw", raw, raw_xxh3, raw_xxh3))
+            else:
+                out.append(
+                    _Encoded(piece, codec, stored, xxhash.xxh3_64_intdigest(stored), raw_xxh3)
+                )
+        return out
+
+    # -- write (in order) ----------------------------------------------------------------------
+
+    async def _write(self, data: memoryview | bytes) -> int:
+        started = time.perf_counter()
+        await self.sink.write(data)
+        self.write_seconds += time.perf_counter() - started
+        offset = self.written
+        self.written += len(data)
+        return offset
+
+    async def write_all(self, started: float) -> SaveResult:
+        structure = memoryview(self.structure)
+        digest = xxhash.xxh3_64_intdigest(structure)
+        codec, stored = "raw", structure
+        if len(structure) >= _SMALL:
+            compressed = fmt.compress(structure, "zstd", self.decisions.level)
+            if len(compressed) < len(structure):
+                codec, stored = "zstd", memoryview(compressed)
+        stored_digest = digest if codec == "raw" else xxhash.xxh3_64_intdigest(stored)
+        await self._write(fmt.MAGIC)  # the header: what the object is, from its first bytes
+        offset = await self._write(stored)
+        structure_chunk = fmt.Chunk(
+            offset, len(stored), len(structure), codec, stored_digest, digest
+        )
+        while True:
+            task = await self.queue.get()
+            if task is None:
+                break
+            segment, encoded = await task
+            for item in encoded:
+                offset = await self._write(item.stored)
+                self.chunks[item.piece.storage.id].append(
+                    fmt.Chunk(
+                        offset,
+                        len(item.stored),
+                        item.piece.size,
+                        item.codec,
+                        item.stored_xxh3,
+                        item.raw_xxh3,
+                    )
+                )
+            del encoded  # views of the slab: gone before it is reused
+            self.release(segment.slab)
+        raw_bytes = len(self.structure) + sum(s.nbytes for s in self.storages)
+        manifest = fmt.Manifest(
+            format=fmt.FORMAT_VERSION,
+            created=time.time(),
+            metadata=self.metadata,
+            structure=structure_chunk,
+            storages=[
+                fmt.Storage(
+                    id=s.id,
+                    nbytes=s.nbytes,
+                    dtype=dtype_name(s.dtype),
+                    location=s.location,
+                    name=s.name,
+                    chunks=self.chunks[s.id],
+                )
+                for s in self.storages
+            ],
+            entries=self.entries,
+            raw_bytes=raw_bytes,
+            stored_bytes=self.written,
+            digest=0,
+        )
+        manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
+        encoded_manifest = fmt.encode_manifest(manifest)
+        manifest_offset = await self._write(encoded_manifest)
+        footer = fmt.Footer(
+            version=fmt.FORMAT_VERSION,
+            flags=0,
+            manifest_offset=manifest_offset,
+            manifest_length=len(encoded_manifest),
+            manifest_xxh3=xxhash.xxh3_64_intdigest(encoded_manifest),
+        )
+        await self._write(fmt.encode_footer(footer))
+        await self.sink.commit()
+        if self.write_seconds > 0 and self.written >= 64 * MiB:
+            _BANDWIDTH[self.bandwidth_key] = self.written / self.write_seconds
+        return SaveResult(
+            url=self.sink.url,
+            raw_bytes=raw_bytes,
+            stored_bytes=self.written,
+            storages=len(self.storages),
+            chunks=1 + sum(len(c) for c in self.chunks.values()),
+            compressed_storages=sum(
+                any(c.codec != "raw" for c in chunks) for chunks in self.chunks.values()
+            ),
+            snapshot_seconds=self.snapshot_seconds,
+            total_seconds=time.perf_counter() - started,
+            digest=f"{manifest.digest:016x}",
+        )
+
+
+# -- the entry point -------------------------------------------------------------------------
+
+_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]]
+_LOCKS = weakref.WeakKeyDictionary()
+
+
+def _check(
+    compression: object,
+    level: object,
+    chunk_bytes: object,
+    staging_bytes: object,
+    exclude: object,
+    metadata: object,
+) -> tuple[str | None, tuple[str, ...], dict[str, Any]]:
+    if compression not in (None, "zstd", "auto"):
+        raise InvalidArgument(f"compression={compression!r}: use None, 'zstd' or 'auto'")
+    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+        raise InvalidArgument(f"level={level!r}: zstd levels are ints from -7 to 22")
+    for name, value in (("chunk_bytes", chunk_bytes), ("staging_bytes", staging_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
+            raise InvalidArgument(f"{name}={value!r}: pass a number of bytes >= 4096")
+    assert isinstance(chunk_bytes, int)
+    assert isinstance(staging_bytes, int)
+    if staging_bytes < chunk_bytes:
+        raise InvalidArgument(
+            f"staging_bytes={staging_bytes} is smaller than chunk_bytes={chunk_bytes}: the "
+            "pool must hold at least one chunk (two or more let copying and writing overlap)"
+        )
+    if isinstance(exclude, str):
+        exclude = (exclude,)
+    if not isinstance(exclude, Iterable) or not all(isinstance(p, str) for p in exclude):
+        raise InvalidArgument(f"exclude={exclude!r}: pass name patterns such as ['*.embed*']")
+    meta = {} if metadata is None else metadata
+    if not isinstance(meta, dict):
+        raise InvalidArgument(f"metadata={metadata!r}: pass a dict")
+    try:
+        msgspec.msgpack.encode(meta)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidArgument(
+            f"metadata cannot be stored ({exc}): use str keys and plain values "
+            "(numbers, strings, lists, dicts)"
+        ) from None
+    return compression, tuple(exclude), meta
+
+
+async def save(
+    obj: Any,
+    target: Any,
+    *,
+    compression: Literal["auto", "zstd"] | None = "auto",
+    level: int = 1,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    staging_bytes: int = DEFAULT_STAGING_BYTES,
+    exclude: Iterable[str] = (),
+    metadata: dict[str, Any] | None = None,
+    store_options: dict[str, Any] | None = None,
+) -> SaveHandle:
+    """Save ``obj`` (a state dict, or any picklable object holding tensors) as a checkpoint.
+
+    Returns once the tensors' bytes are snapshotted: the caller may then change them.
+    Compression, checksums and writing go on in the background; ``await`` the returned
+    :class:`SaveHandle` for the :class:`SaveResult`. Until it commits, the target holds its
+    previous content (or nothing); a failure or cancellation leaves it so.
+
+    Args:
+        obj: what to save; tensors anywhere inside it are saved as ``torch.save`` would.
+        target: a URL (``"s3://bucket/run/step-100.ckpt"``, ``"file:///…"``), a local path,
+            a ``(store, key)`` pair, or a writable binary file object (not atomic).
+        compression: ``"auto"`` probes each storage's first chunk and compresses only where
+            it shrinks and keeps up with the target's measured write speed; ``"zstd"``
+            always; ``None`` never. Floats of 2 and 4 bytes are byte-shuffled first.
+        level: zstd level (1 is fast; higher is smaller and slower).
+        chunk_bytes: chunk size: the unit of compression, checksums and ranged reads.
+        staging_bytes: the staging pool's budget. A state larger than it streams through
+            with back-pressure: the call then returns only when the rest fits.
+        exclude: name patterns (``fnmatch``) of entries stored raw whatever ``compression``.
+        metadata: a dict kept in the manifest (step, time, anything msgpack can hold).
+        store_options: options for ``open_store`` when ``target`` is a URL or path.
+
+    Only one save per target runs at a time in an event loop; a second waits for the first
+    to commit before its snapshot.
+
+    Raises:
+        InvalidArgument: a bad argument (named in the message).
+        UnsafeCheckpoint: ``obj`` cannot be pickled.
+    """
+    started = time.perf_counter()
+    compression_, patterns, meta = _check(
+        compression, level, chunk_bytes, staging_bytes, exclude, metadata
+    )
+    resolved = resolve(target, store_options, writing=True)
+    loop = asyncio.get_running_loop()
+    locks = _LOCKS.setdefault(loop, {})
+    lock = locks.setdefault(resolved.url, asyncio.Lock())
+    await lock.acquire()
+    sink: Sink | None = None
+    writer: asyncio.Task[SaveResult] | None = None
+    try:
+        structure, storages, entries = pickle_structure(obj)
+        pool = staging_pool(chunk_bytes)
+        pool.budget = staging_bytes
+        if resolved.file is not None:
+            sink = FileSink(resolved.file)
+        else:
+            assert resolved.store is not None
+            assert resolved.key is not None
+            if resolved.local_path is not None:
+                os.makedirs(os.path.dirname(resolved.local_path), exist_ok=True)
+            if isinstance(resolved.store, S3Store | LocalStore):
+                # What a save killed mid-write left: unfinished uploads, temp files.
+                await resolved.store.clean_up_writes(resolved.key)
+            sink = StoreSink(resolved.store, resolved.key)
+            await sink.open()
+        decisions = _Decisions(compression_, level, patterns)
+        key = resolved.url.rpartition("/")[0]
+        decisions.bandwidth = _BANDWIDTH.get(key)
+        job = _SaveJob(sink, structure, storages, entries, meta, pool, decisions, key)
+    except BaseException as exc:
+        await _fail(None, sink, exc)
+        await resolved.aclose()
+        lock.release()
+        raise
+
+    async def run() -> SaveResult:
+        # Owns the save from here: whatever ends it (error, cancellation of the handle),
+        # nothing is committed unless every byte was written, and the target is released.
+        try:
+            return await job.write_all(started)
+        except BaseException as exc:
+            await _fail(job, sink, exc)
+            raise
+        finally:
+            await resolved.aclose()
+            lock.release()
+
+    writer = job.writer = asyncio.ensure_future(run())
+    await asyncio.sleep(0)  # let it start, so that cancelling it always runs its cleanup
+    try:
+        await job.snapshot()
+    except BaseException:
+        writer.cancel()
+        await asyncio.gather(writer, return_exceptions=True)
+        raise
+    return SaveHandle(writer, resolved.url)
+
+
+async def _fail(job: _SaveJob | None, sink: Sink | None, exc: BaseException) -> None:
+    # Stop everything, then make sure nothing was committed (shielded: a cancellation is
+    # usually why we are here, and must not stop the cleanup halfway).
+    with anyio.CancelScope(shield=True):
+        if job is not None:
+            for task in job.tasks:
+                task.cancel()
+            await asyncio.gather(*job.tasks, return_exceptions=True)
+            job.release_all()  # every encoder thread has finished with its slab
+        if sink is not None:
+            with contextlib.suppress(Exception):  # the original error is the one to report
+                await sink.abort(exc)

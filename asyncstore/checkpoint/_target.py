@@ -1,0 +1,199 @@
+"""Where a checkpoint goes or comes from: a store and key, or a binary file object."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import IO, Any
+
+import anyio
+
+from ..errors import InvalidArgument, NotFound
+from ..stores import Store, Writer, open_store
+from ..stores._keys import check_key
+
+__all__ = ["Target", "resolve", "Sink", "Source"]
+
+Target = str | os.PathLike[str] | tuple[Store, str] | IO[bytes]
+
+
+class Sink:
+    """Takes a checkpoint's bytes in order; :meth:`commit` makes them appear at once."""
+
+    url: str
+
+    async def write(self, data: memoryview | bytes) -> None:
+        raise NotImplementedError
+
+    async def commit(self) -> None:
+        raise NotImplementedError
+
+    async def abort(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+
+class Source:
+    """Random access to a checkpoint's bytes."""
+
+    url: str
+    local_path: str | None = None
+
+    async def size(self) -> int:
+        raise NotImplementedError
+
+    async def read(self, start: int, end: int) -> bytes:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Release what the source opened."""
+
+
+class _Resolved:
+    def __init__(self, store: Store | None, key: str | None, file: IO[bytes] | None) -> None:
+        self.store, self.key, self.file = store, key, file
+        self.owned = False  # the store was opened here and is closed here
+        self.local_path: str | None = None
+
+    @property
+    def url(self) -> str:
+        if self.store is not None and self.key is not None:
+            return f"{self.store.url}/{self.key}"
+        return f"<file object {getattr(self.file, 'name', type(self.file).__name__)!r}>"
+
+    async def aclose(self) -> None:
+        if self.owned and self.store is not None:
+            await self.store.aclose()
+
+
+def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bool) -> _Resolved:
+    """Turn what the caller passed into a store and key, or a file object.
+
+    Raises:
+        InvalidArgument: ``target`` is none of a URL, a path, a ``(store, key)`` pair or a
+            binary file object.
+    """
+    if isinstance(target, tuple):
+        if len(target) != 2 or not isinstance(target[0], Store):
+            raise InvalidArgument(
+                f"target {target!r}: a pair must be (store, key), with an open asyncstore store"
+            )
+        store, key = target
+        return _Resolved(store, check_key(key, store.url), None)
+    if isinstance(target, os.PathLike):
+        target = os.fspath(target)
+    if isinstance(target, str):
+        if not target:
+            raise InvalidArgument("empty checkpoint path; pass a path, URL or (store, key)")
+        if "://" in target:
+            head, _, key = target.rstrip("/").rpartition("/")
+            if not key or head.endswith((":/", "://")):
+                raise InvalidArgument(
+                    f"checkpoint URL {target!r} names no object: add a file name, "
+                    "as in 's3://bucket/run1/step-1000.ckpt'"
+                )
+            resolved = _Resolved(open_store(head, **(store_options or {})), key, None)
+            if head.startswith("file://"):
+                resolved.local_path = head.removeprefix("file://") + "/" + key
+        else:
+            path = os.path.abspath(target)
+            if os.path.isdir(path):
+                raise InvalidArgument(
+                    f"checkpoint path {target!r} is a directory; name a file inside it"
+                )
+            directory, key = os.path.split(path)
+            resolved = _Resolved(open_store(directory, **(store_options or {})), key, None)
+            resolved.local_path = path
+        if resolved.key is not None and resolved.store is not None:
+            check_key(resolved.key, resolved.store.url)
+        resolved.owned = True
+        return resolved
+    if writing and hasattr(target, "write"):
+        return _Resolved(None, None, target)  # type: ignore[arg-type]
+    if not writing and hasattr(target, "read") and hasattr(target, "seek"):
+        return _Resolved(None, None, target)  # type: ignore[arg-type]
+    kind = "a writable" if writing else "a readable, seekable"
+    raise InvalidArgument(
+        f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "
+        f"('s3://bucket/run/step.ckpt'), a (store, key) pair or {kind} binary file object"
+    )
+
+
+class StoreSink(Sink):
+    """Streams into a store's atomic writer: nothing is visible until :meth:`commit`."""
+
+    def __init__(self, store: Store, key: str) -> None:
+        self.url = f"{store.url}/{key}"
+        self._writer: Writer = store.open_writer(key)
+
+    async def open(self) -> None:
+        await self._writer.__aenter__()
+
+    async def write(self, data: memoryview | bytes) -> None:
+        await self._writer.write(data)
+
+    async def commit(self) -> None:
+        await self._writer.__aexit__(None, None, None)
+
+    async def abort(self, exc: BaseException) -> None:
+        await self._writer.__aexit__(type(exc), exc, exc.__traceback__)
+
+
+class FileSink(Sink):
+    """Writes into a binary file object the caller owns (in a thread; no atomicity)."""
+
+    def __init__(self, file: IO[bytes]) -> None:
+        self.url = f"<file object {getattr(file, 'name', type(file).__name__)!r}>"
+        self._file = file
+        self._limiter = anyio.CapacityLimiter(1)
+
+    async def write(self, data: memoryview | bytes) -> None:
+        await anyio.to_thread.run_sync(self._file.write, data, limiter=self._limiter)
+
+    async def commit(self) -> None:
+        await anyio.to_thread.run_sync(self._file.flush, limiter=self._limiter)
+
+    async def abort(self, exc: BaseException) -> None:
+        return None  # the caller's file: what was written stays, as with torch.save
+
+
+class StoreSource(Source):
+    def __init__(self, store: Store, key: str, local_path: str | None) -> None:
+        self.url = f"{store.url}/{key}"
+        self.local_path = local_path
+        self._store, self._key = store, key
+
+    async def size(self) -> int:
+        return (await self._store.stat(self._key)).size
+
+    async def read(self, start: int, end: int) -> bytes:
+        return await self._store.get(self._key, start, end)
+
+
+class FileSource(Source):
+    def __init__(self, file: IO[bytes]) -> None:
+        self.url = f"<file object {getattr(file, 'name', type(file).__name__)!r}>"
+        self._file = file
+        self._lock = threading.Lock()
+        self._start = file.tell()
+
+    async def size(self) -> int:
+        def measure() -> int:
+            with self._lock:
+                end = self._file.seek(0, os.SEEK_END)
+                return end - self._start
+
+        return await anyio.to_thread.run_sync(measure)
+
+    async def read(self, start: int, end: int) -> bytes:
+        def read() -> bytes:
+            with self._lock:
+                self._file.seek(self._start + start)
+                data = self._file.read(end - start)
+            if len(data) != end - start:
+                raise NotFound(f"{self.url} ended before byte {end}")
+            return data
+
+        return await anyio.to_thread.run_sync(read)
+
+    def rewind(self) -> None:
+        self._file.seek(self._start)

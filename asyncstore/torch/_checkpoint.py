@@ -1,0 +1,59 @@
+"""``torch.save`` / ``torch.load`` replacements over the checkpoint engine, for sync code."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any, Unpack
+
+from .._loop import bridge_loop, run_sync
+from ..checkpoint import SaveResult
+from ..checkpoint import load as _load
+from ..checkpoint import save as _save
+from ..checkpoint._load import LoadOptions
+from ..checkpoint._save import SaveOptions
+
+__all__ = ["save", "save_async", "load"]
+
+
+async def _save_and_wait(obj: Any, f: Any, options: SaveOptions) -> SaveResult:
+    handle = await _save(obj, f, **options)
+    return await handle.wait()
+
+
+def save(obj: Any, f: Any, **options: Unpack[SaveOptions]) -> SaveResult:
+    """Save ``obj`` like ``torch.save``, and return once the checkpoint is committed.
+
+    ``f`` is what ``torch.save`` accepts (a path, a PathLike, a writable binary file object)
+    or a URL (``"s3://bucket/run/step-100.ckpt"``, ``"file:///…"``). A path or URL is
+    written atomically: it holds the old checkpoint (or nothing) until the new one is
+    complete. Options (``compression``, ``level``, ``chunk_bytes``, ``staging_bytes``,
+    ``exclude``, ``metadata``, ``store_options``) as for :func:`asyncstore.save`.
+    """
+    return run_sync(_save_and_wait(obj, f, options))
+
+
+def save_async(
+    obj: Any, f: Any, **options: Unpack[SaveOptions]
+) -> concurrent.futures.Future[SaveResult]:
+    """Start saving ``obj`` and return once its tensors are snapshotted.
+
+    The training loop may change its tensors as soon as this returns. Compression and
+    writing go on in asyncstore's background thread; the returned future gives the
+    :class:`~asyncstore.SaveResult` (``future.result()`` waits for the commit) or raises
+    the save's error. Errors in the arguments raise here, at once. Options as for
+    :func:`save`.
+    """
+    handle = run_sync(_save(obj, f, **options))
+    return asyncio.run_coroutine_threadsafe(handle.wait(), bridge_loop())
+
+
+def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> Any:
+    """Load a checkpoint like ``torch.load``, verifying every chunk.
+
+    Reads checkpoints written by :func:`save` and plain ``torch.save`` files alike, so code
+    can switch without converting anything. ``weights_only=True`` by default. Options
+    (``weights_only``, ``keys``, ``into``, ``safe_globals``, ``store_options``) as for
+    :func:`asyncstore.load`.
+    """
+    return run_sync(_load(f, map_location=map_location, **options))

@@ -1,0 +1,582 @@
+"""The checkpoint engine: round trips, verification, safety, atomicity, and the torch adapters."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import asyncstore
+from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreUnavailable, UnsafeCheckpoint
+from asyncstore.checkpoint import read_manifest, staging_pool
+from asyncstore.checkpoint._target import StoreSource
+from asyncstore.testing import SeaweedFS
+
+from .conftest import BUCKET, s3_options, unique
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+] + [getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
+
+
+def random_tensor(rng: random.Random, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(rng.randrange(1 << 30))
+    raw = torch.randint(0, 256, (max(1, int(torch.Size(shape).numel())) * 16,), generator=generator)
+    data = raw.to(torch.uint8)
+    width = torch.empty(0, dtype=dtype).element_size()
+    count = int(torch.Size(shape).numel())
+    flat = data[: count * width].view(dtype) if dtype != torch.bool else data[:count] % 2 == 1
+    return flat[:count].reshape(shape).clone()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat_a, flat_b = a.contiguous().reshape(-1), b.contiguous().reshape(-1)
+    if a.dtype == torch.bool:
+        return torch.equal(flat_a, flat_b)
+    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
+
+
+def tensors_in(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    if isinstance(obj, torch.Tensor):
+        return [(path, obj)]
+    if isinstance(obj, dict):
+        return [t for k, v in obj.items() for t in tensors_in(v, f"{path}/{k}")]
+    if isinstance(obj, list | tuple):
+        return [t for i, v in enumerate(obj) for t in tensors_in(v, f"{path}/{i}")]
+    return []
+
+
+def assert_same(saved: Any, loaded: Any) -> None:
+    """Equal values, layouts, and the same sharing of storages."""
+    before, after = tensors_in(saved), tensors_in(loaded)
+    assert [p for p, _ in before] == [p for p, _ in after]
+    for (path, a), (_, b) in zip(before, after, strict=True):
+        assert same_bits(a, b), path
+        assert a.stride() == b.stride(), path
+        assert a.storage_offset() == b.storage_offset(), path
+        assert type(a) is type(b), path
+    owners = [a.untyped_storage().data_ptr() for _, a in before]
+    again = [b.untyped_storage().data_ptr() for _, b in after]
+    for i in range(len(owners)):
+        for j in range(len(owners)):
+            if before[i][1].untyped_storage().nbytes() and before[j][1].untyped_storage().nbytes():
+                assert (owners[i] == owners[j]) == (again[i] == again[j])
+    assert without_tensors(saved) == without_tensors(loaded)
+
+
+def without_tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return None
+    if isinstance(obj, dict):
+        return {k: without_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [without_tensors(v) for v in obj]
+    return obj
+
+
+@st.composite
+def states(draw: st.DrawFn) -> dict[str, Any]:
+    rng = random.Random(draw(st.integers(0, 1 << 30)))
+    state: dict[str, Any] = {}
+    for i in range(draw(st.integers(1, 6))):
+        dtype = draw(st.sampled_from(DTYPES))
+        kind = draw(st.sampled_from(["plain", "scalar", "empty", "transposed", "view", "tied"]))
+        if kind == "scalar":
+            state[f"t{i}"] = random_tensor(rng, dtype, ())
+        elif kind == "empty":
+            state[f"t{i}"] = random_tensor(rng, dtype, (0, 3))
+        else:
+            shape = (draw(st.integers(1, 40)), draw(st.integers(1, 40)))
+            base = random_tensor(rng, dtype, shape)
+            if kind == "transposed":
+                state[f"t{i}"] = base.t()
+            elif kind == "view":
+                state[f"t{i}"] = base
+                state[f"t{i}.view"] = base[1:, ::2]
+            elif kind == "tied":
+                state[f"t{i}"] = base
+                state[f"t{i}.tied"] = base
+            else:
+                state[f"t{i}"] = base
+    if draw(st.booleans()):
+        state["nested"] = {"list": [random_tensor(rng, torch.float32, (3,)), 1, "x"], "n": None}
+    state["step"] = draw(st.integers(0, 10**9))
+    state["config"] = {"lr": 0.1, "name": "run", "betas": (0.9, 0.99)}
+    return state
+
+
+# -- round trips -------------------------------------------------------------------------------
+
+
+@settings(
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(state=states(), compression=st.sampled_from([None, "zstd", "auto"]))
+async def test_round_trip(store: asyncstore.Store, state: dict[str, Any], compression: Any) -> None:
+    key = unique("ckpt")
+    handle = await asyncstore.save(
+        state, (store, key), compression=compression, chunk_bytes=4096, staging_bytes=16384
+    )
+    result = await handle
+    assert result.stored_bytes == (await store.stat(key)).size
+    loaded = await asyncstore.load((store, key))
+    assert_same(state, loaded)
+
+
+async def test_large_storages_compress_and_span_chunks(store: asyncstore.Store) -> None:
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        "w": torch.randn(600, 1000, generator=gen).to(torch.bfloat16),  # 1.2 MB, 2-byte floats
+        "emb": torch.randn(300, 1000, generator=gen),  # fp32
+        "noise": torch.randint(0, 256, (500_000,), dtype=torch.uint8, generator=gen),
+    }
+    handle = await asyncstore.save(
+        state,
+        (store, "big.ckpt"),
+        compression="zstd",
+        chunk_bytes=256 * 1024,
+        staging_bytes=MiB,
+        exclude=["emb"],
+    )
+    result = await handle
+    manifest = await read_manifest(StoreSource(store, "big.ckpt", None))
+    assert manifest is not None
+    codecs = {s.name: {c.codec for c in s.chunks} for s in manifest.storages}
+    assert codecs["w"] == {"zstd+shuffle2"}
+    assert codecs["emb"] == {"raw"}  # excluded by name
+    assert codecs["noise"] <= {"raw", "zstd"}  # random bytes: kept raw where zstd cannot help
+    assert len(next(s for s in manifest.storages if s.name == "w").chunks) == 5
+    assert result.stored_bytes < result.raw_bytes
+    assert_same(state, await asyncstore.load((store, "big.ckpt")))
+
+
+async def test_auto_compresses_bf16_and_leaves_random_bytes(tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(1)
+    state = {
+        "w": torch.randn(2_000_000, generator=gen).to(torch.bfloat16),
+        "noise": torch.randint(0, 256, (2_000_000,), dtype=torch.uint8, generator=gen),
+    }
+    path = tmp_path / "auto.ckpt"
+    result = await (await asyncstore.save(state, path, compression="auto"))
+    assert result.compressed_storages == 1
+    async with asyncstore.open_store(tmp_path) as store:
+        manifest = await read_manifest(StoreSource(store, "auto.ckpt", None))
+    assert manifest is not None
+    by_name = {s.name: s for s in manifest.storages}
+    assert {c.codec for c in by_name["w"].chunks} == {"zstd+shuffle2"}
+    assert {c.codec for c in by_name["noise"].chunks} == {"raw"}
+
+
+async def test_metadata_and_torch_save_files(tmp_path: Path) -> None:
+    state = {"w": torch.arange(10.0)}
+    await (await asyncstore.save(state, tmp_path / "m.ckpt", metadata={"step": 7, "tag": "a"}))
+    async with asyncstore.open_store(tmp_path) as store:
+        manifest = await read_manifest(StoreSource(store, "m.ckpt", None))
+    assert manifest is not None
+    assert manifest.metadata == {"step": 7, "tag": "a"}
+    torch.save(state, tmp_path / "plain.pt")
+    assert_same(state, await asyncstore.load(tmp_path / "plain.pt"))
+
+
+async def test_torch_save_file_from_s3(seaweedfs: SeaweedFS) -> None:
+    state = {"w": torch.randn(50, 50), "n": 3}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    url = f"s3://{BUCKET}/{unique()}"
+    async with asyncstore.open_store(url, **s3_options(seaweedfs)) as store:
+        await store.put("plain.pt", buffer.getvalue())
+    loaded = await asyncstore.load(f"{url}/plain.pt", store_options=s3_options(seaweedfs))
+    assert_same(state, loaded)
+
+
+# -- partial loads -----------------------------------------------------------------------------
+
+
+async def test_keys_read_only_their_chunks(tmp_path: Path) -> None:
+    a = torch.randn(1000)
+    state: dict[str, Any] = {"a": a, "b": torch.randn(1000), "tied": a, "n": 1}
+    path = tmp_path / "k.ckpt"
+    await (await asyncstore.save(state, path, compression=None, chunk_bytes=4096))
+    reads: list[tuple[int, int]] = []
+
+    class Counting(StoreSource):
+        async def read(self, start: int, end: int) -> bytes:
+            reads.append((start, end))
+            return await super().read(start, end)
+
+    async with asyncstore.open_store(tmp_path) as store:
+        manifest = await read_manifest(StoreSource(store, "k.ckpt", None))
+        assert manifest is not None
+        b_chunks = {
+            (c.offset, c.offset + c.stored)
+            for s in manifest.storages
+            if s.name == "b"
+            for c in s.chunks
+        }
+        original = asyncstore.checkpoint._load.StoreSource  # type: ignore[attr-defined]
+        asyncstore.checkpoint._load.StoreSource = Counting  # type: ignore[attr-defined]
+        try:
+            part = await asyncstore.load(path, keys=["a", "tied"])
+        finally:
+            asyncstore.checkpoint._load.StoreSource = original  # type: ignore[attr-defined]
+    assert list(part) == ["a", "tied"]
+    assert torch.equal(part["a"], state["a"])
+    assert part["tied"].data_ptr() == part["a"].data_ptr()
+    assert reads
+    assert not b_chunks & set(reads)  # b's chunks were never read
+    with pytest.raises(InvalidArgument, match="no entries \\['nope'\\]"):
+        await asyncstore.load(path, keys=["nope"])
+
+
+async def test_into_fills_existing_tensors_in_place(tmp_path: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    path = tmp_path / "model.ckpt"
+    await (await asyncstore.save(model.state_dict(), path))
+    other = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    target = other.state_dict()
+    pointers = {k: v.data_ptr() for k, v in target.items()}
+    result = await asyncstore.load(path, into=target)
+    assert result is target
+    for key, value in model.state_dict().items():
+        assert torch.equal(target[key], value)
+        assert target[key].data_ptr() == pointers[key]  # filled in place
+    wrong = {"0.weight": torch.zeros(3, 3)}
+    with pytest.raises(InvalidArgument, match=r"0\.weight"):
+        await asyncstore.load(path, into=wrong)
+
+
+# -- verification ------------------------------------------------------------------------------
+
+
+async def test_every_byte_flip_and_truncation_is_detected() -> None:
+    state = {
+        "w": torch.arange(64, dtype=torch.float32),
+        "b": torch.ones(8, dtype=torch.bfloat16),
+        "step": 3,
+    }
+    async with asyncstore.open_store(f"memory://{unique()}") as store:
+        await (await asyncstore.save(state, (store, "good"), compression=None))
+        data = await store.get("good")
+        assert len(data) < 4096
+        for position in range(len(data)):
+            damaged = bytearray(data)
+            damaged[position] ^= 0x01
+            await store.put("bad", bytes(damaged))
+            with pytest.raises(IntegrityError):
+                await asyncstore.load((store, "bad"))
+        for length in range(0, len(data), 7):
+            await store.put("short", data[:length])
+            with pytest.raises(IntegrityError):
+                await asyncstore.load((store, "short"))
+
+
+async def test_damaged_chunk_names_tensor_chunk_and_url(tmp_path: Path) -> None:
+    state = {"layer.weight": torch.randn(4096)}
+    path = tmp_path / "d.ckpt"
+    await (await asyncstore.save(state, path, compression=None, chunk_bytes=4096))
+    data = bytearray(path.read_bytes())
+    async with asyncstore.open_store(tmp_path) as store:
+        manifest = await read_manifest(StoreSource(store, "d.ckpt", None))
+    assert manifest is not None
+    chunk = manifest.storages[0].chunks[2]
+    data[chunk.offset + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        IntegrityError,
+        match=r"d\.ckpt: chunk 2 of tensor 'layer\.weight'",
+    ):
+        await asyncstore.load(path)
+
+
+# -- safety ------------------------------------------------------------------------------------
+
+
+class Exploit:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+async def test_malicious_pickle_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.ckpt"
+    await (await asyncstore.save({"w": torch.ones(2), "x": Exploit(str(marker))}, path))
+    with pytest.raises(UnsafeCheckpoint, match=r"(posix|os)\.system"):
+        await asyncstore.load(path)
+    assert not marker.exists()
+    # The same payload in a torch.save file is refused too (torch's own weights_only).
+    torch.save({"x": Exploit(str(marker))}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeCheckpoint):
+        await asyncstore.load(tmp_path / "evil.pt")
+    assert not marker.exists()
+    # Trusted: weights_only=False runs it, as torch.load would.
+    await asyncstore.load(path, weights_only=False)
+    assert marker.exists()
+
+
+async def test_safe_globals_allow_a_named_class(tmp_path: Path) -> None:
+    path = tmp_path / "od.ckpt"
+    state = {"opt": OrderedDict(a=torch.ones(1)), "frac": complex(1, 2), "big": 10**30}
+    await (await asyncstore.save(state, path))
+    assert_same(state, await asyncstore.load(path))
+
+
+# -- staging and the pipeline ------------------------------------------------------------------
+
+
+async def test_second_save_allocates_nothing_and_small_pools_stream(tmp_path: Path) -> None:
+    state = {f"w{i}": torch.randn(100_000) for i in range(8)}  # 3.2 MB
+    first = await (
+        await asyncstore.save(state, tmp_path / "1.ckpt", chunk_bytes=256 * 1024, staging_bytes=MiB)
+    )
+    pool = staging_pool(256 * 1024)
+    allocated = pool.allocated
+    assert 0 < pool.allocated_bytes <= MiB  # the budget held while 3.2 MB streamed through
+    await (
+        await asyncstore.save(state, tmp_path / "2.ckpt", chunk_bytes=256 * 1024, staging_bytes=MiB)
+    )
+    assert pool.allocated == allocated
+    assert first.raw_bytes > 3 * MiB
+    assert_same(state, await asyncstore.load(tmp_path / "2.ckpt"))
+
+
+async def test_caller_may_change_tensors_after_the_snapshot(tmp_path: Path) -> None:
+    state = {"w": torch.randn(2_000_000)}
+    expected = state["w"].clone()
+    handle = await asyncstore.save(state, tmp_path / "s.ckpt")
+    state["w"].zero_()  # training goes on
+    await handle
+    assert torch.equal((await asyncstore.load(tmp_path / "s.ckpt"))["w"], expected)
+
+
+async def test_one_save_per_target_at_a_time(tmp_path: Path) -> None:
+    path = tmp_path / "same.ckpt"
+    first = await asyncstore.save({"v": torch.full((1000,), 1.0)}, path)
+    second_started = asyncio.ensure_future(asyncstore.save({"v": torch.full((1000,), 2.0)}, path))
+    await (await second_started)
+    assert first.done()  # the second snapshot waited for the first commit
+    assert torch.equal((await asyncstore.load(path))["v"], torch.full((1000,), 2.0))
+
+
+async def test_cancelled_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "keep.ckpt"
+    await (await asyncstore.save({"v": torch.zeros(10)}, path))
+    handle = await asyncstore.save(
+        {"v": torch.randn(4_000_000)}, path, compression="zstd", level=19
+    )
+    handle.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await handle
+    assert torch.equal((await asyncstore.load(path))["v"], torch.zeros(10))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.ckpt"]
+
+
+async def test_bad_arguments(tmp_path: Path) -> None:
+    state = {"w": torch.ones(1)}
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"compression": "lz4"}, "compression='lz4'"),
+        ({"level": 99}, "level=99"),
+        ({"chunk_bytes": 0}, "chunk_bytes=0"),
+        ({"staging_bytes": 8192, "chunk_bytes": 16384}, "smaller than chunk_bytes"),
+        ({"metadata": {"f": object()}}, "metadata cannot be stored"),
+        ({"exclude": [3]}, "exclude="),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(InvalidArgument, match=match):
+            await asyncstore.save(state, tmp_path / "x.ckpt", **kwargs)
+    with pytest.raises(InvalidArgument, match="names no object"):
+        await asyncstore.save(state, "s3://bucket")
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        await asyncstore.save(state, tmp_path)
+    with pytest.raises(InvalidArgument, match="is a int"):
+        await asyncstore.save(state, 42)
+    with pytest.raises(UnsafeCheckpoint, match="cannot be saved"):
+        await asyncstore.save({"f": lambda: 1}, tmp_path / "x.ckpt")
+    with pytest.raises(NotFound):
+        await asyncstore.load(tmp_path / "missing.ckpt")
+    with pytest.raises(InvalidArgument, match="keys= or into="):
+        await asyncstore.load(tmp_path / "x.ckpt", keys=["w"], into={})
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+# -- crashes and outages -----------------------------------------------------------------------
+
+WRITER = """
+import sys, time, torch
+from asyncstore.torch import save
+target, options = sys.argv[1], eval(sys.argv[2])
+gen = torch.Generator().manual_seed(int(sys.argv[3]))
+state = {f"w{i}": torch.randn(2_000_000, generator=gen) for i in range(4)}
+print("ready", flush=True)
+save(state, target, compression="zstd", level=3, chunk_bytes=1 << 20, store_options=options)
+print("saved", flush=True)
+"""
+
+
+def expected_state(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(2_000_000, generator=gen) for i in range(4)}
+
+
+def kill_during_save(target: str, options: dict[str, Any], seed: int, delay: float) -> bool:
+    """Start a save in a subprocess, SIGKILL it ``delay`` s after it is ready; True if it
+    finished first."""
+    process = subprocess.Popen(
+        [sys.executable, "-c", WRITER, target, repr(options), str(seed)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    assert process.stdout.readline().strip() == "ready"
+    time.sleep(delay)
+    process.send_signal(signal.SIGKILL)
+    out, _ = process.communicate(timeout=60)
+    return "saved" in out
+
+
+@pytest.mark.parametrize("kind", ["local", "s3"])
+async def test_sigkill_mid_save_leaves_old_or_new(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if kind == "s3":
+        server: SeaweedFS = request.getfixturevalue("seaweedfs")
+        options = s3_options(server)
+        target = f"s3://{BUCKET}/{unique('kill')}/ckpt"
+    else:
+        options, target = {}, str(tmp_path / "ckpt")
+    rng = random.Random(5)
+    outcomes = set()
+    killed_mid_save = 0
+    for attempt, delay in enumerate([0.0, 0.05, 0.1, 0.2, 0.4]):
+        finished = await anyio.to_thread.run_sync(
+            kill_during_save, target, options, attempt, delay + rng.uniform(0.0, 0.05)
+        )
+        killed_mid_save += not finished
+        try:
+            loaded = await asyncstore.load(target, store_options=options)
+        except NotFound:
+            assert not finished
+            outcomes.add("absent")
+            continue
+        # Never a partial checkpoint: what is there is one whole save, verified.
+        matches = [
+            seed
+            for seed in range(attempt + 1)
+            if all(torch.equal(loaded[k], v) for k, v in expected_state(seed).items())
+        ]
+        assert matches, "the checkpoint matches none of the saves"
+        outcomes.add("new" if matches[-1] == attempt else "old")
+        if finished:
+            assert matches[-1] == attempt
+    assert killed_mid_save >= 1
+    # The next save cleans up what a killed one left: temp files, or unfinished uploads.
+    final = {"done": torch.ones(3)}
+    await (await asyncstore.save(final, target, store_options=options))
+    assert_same(final, await asyncstore.load(target, store_options=options))
+    if kind == "s3":
+        prefix = target.removeprefix(f"s3://{BUCKET}/")
+        assert server.list_multipart_uploads(BUCKET, prefix) == []
+    else:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert outcomes
+
+
+async def test_server_stopped_mid_save(tmp_path: Path) -> None:
+    server = SeaweedFS(data_dir=tmp_path / "sw")
+    server.start()
+    try:
+        server.create_bucket("ckpt")
+        options = s3_options(server, retry_base_delay=0.01, retry_max_delay=0.05, max_attempts=3)
+        state = {f"w{i}": torch.randn(1_500_000) for i in range(4)}  # 24 MB: several parts
+        handle = await asyncstore.save(
+            state, "s3://ckpt/run/step.ckpt", compression=None, store_options=options
+        )
+        server.stop(timeout=2.0)
+        with pytest.raises(StoreUnavailable):
+            await handle
+    finally:
+        server.stop(timeout=2.0)
+    again = SeaweedFS(data_dir=tmp_path / "sw")
+    again.start()
+    try:
+        with pytest.raises(NotFound):
+            await asyncstore.load("s3://ckpt/run/step.ckpt", store_options=s3_options(again))
+    finally:
+        again.stop(timeout=2.0)
+
+
+# -- the torch adapters ------------------------------------------------------------------------
+
+
+def test_torch_adapters_round_trip(tmp_path: Path) -> None:
+    from asyncstore.torch import load, save, save_async
+
+    model = torch.nn.Linear(16, 4)
+    state = model.state_dict()
+    result = save(state, tmp_path / "a.ckpt")
+    assert result.stored_bytes == (tmp_path / "a.ckpt").stat().st_size
+    assert_same(dict(state), dict(load(tmp_path / "a.ckpt")))
+    future = save_async(state, str(tmp_path / "b.ckpt"))
+    assert future.result(timeout=60).storages == 2
+    buffer = io.BytesIO()
+    save(state, buffer)
+    buffer.seek(0)
+    assert_same(dict(state), dict(load(buffer, map_location="cpu")))
+    torch.save(state, tmp_path / "plain.pt")
+    assert_same(dict(state), dict(load(tmp_path / "plain.pt")))
+    with pytest.raises(InvalidArgument, match="map_location"):
+        load(tmp_path / "a.ckpt", map_location=lambda s, loc: s)
+
+
+def test_pickle_protocol_of_structure_is_plain_pickle(tmp_path: Path) -> None:
+    # The structure stays readable with the standard library, given the storages.
+    from asyncstore.checkpoint._pickle import pickle_structure
+
+    data, storages, entries = pickle_structure({"a": torch.ones(2), "b": 1})
+    assert entries == {"a": [0], "b": []}
+    assert len(storages) == 1
+    seen = []
+
+    class Reader(pickle.Unpickler):
+        def persistent_load(self, pid: Any) -> Any:
+            seen.append(pid)
+            return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                wrap_storage=storages[0].storage, dtype=torch.float32, _internal=True
+            )
+
+    assert torch.equal(Reader(io.BytesIO(data)).load()["a"], torch.ones(2))
+    assert seen == [("storage", 0, "float32")]
