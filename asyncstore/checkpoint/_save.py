@@ -44,8 +44,10 @@ DEFAULT_STAGING_BYTES = 2 * GiB
 
 # Chunks smaller than this are stored raw: compressing them saves nothing worth a codec.
 _SMALL = 64 * 1024
+# Compressed chunks smaller than this are gathered into one write.
+_SMALL_WRITE = 1 * MiB
 # "auto" probes this much of a storage's first chunk.
-_PROBE = 1 * MiB
+_PROBE = 128 * 1024
 # "auto" compresses a storage only if the probe shrank it to this fraction or less.
 _WORTH = 0.92
 # Threads encoding segments at once: also bounds compressed output held in memory.
@@ -312,7 +314,8 @@ class _SaveJob:
         self.writer: asyncio.Future[SaveResult] | None = None
         self.stream: Any = None
         self.write_seconds = 0.0
-        self.written = 0
+        self.written = 0  # bytes handed to the sink
+        self.position = 0  # bytes laid out in the checkpoint (ahead of written while gathering)
         self.snapshot_seconds = 0.0
 
     # -- snapshot (the caller waits for this) -------------------------------------------------
@@ -421,13 +424,63 @@ class _SaveJob:
 
     # -- write (in order) ----------------------------------------------------------------------
 
-    async def _write(self, data: memoryview | bytes) -> int:
+    async def _put(self, data: memoryview | bytes | bytearray) -> None:
         started = time.perf_counter()
         await self.sink.write(data)
         self.write_seconds += time.perf_counter() - started
-        offset = self.written
         self.written += len(data)
+
+    async def _write(self, data: memoryview | bytes) -> int:
+        # Header, structure, manifest, footer: written as they come; returns the offset.
+        offset = self.position
+        self.position += len(data)
+        await self._put(data)
         return offset
+
+    async def _write_segment(self, segment: _Segment, encoded: list[_Encoded]) -> None:
+        # Few large writes, not one per chunk (a model has hundreds of small tensors, and a
+        # write can cost a thread hop): raw chunks lie one after another in the slab, so a
+        # run of them goes out as one view of it; small compressed ones are gathered.
+        run: tuple[int, int] | None = None  # [start, end) in the slab
+        small = bytearray()
+        for item in encoded:
+            self.chunks[item.piece.storage.id].append(
+                fmt.Chunk(
+                    self.position,
+                    len(item.stored),
+                    item.piece.size,
+                    item.codec,
+                    item.stored_xxh3,
+                    item.raw_xxh3,
+                )
+            )
+            self.position += len(item.stored)
+            if item.codec == "raw":
+                if small:
+                    await self._put(small)
+                    small = bytearray()
+                start, end = item.piece.start, item.piece.start + item.piece.size
+                if run is not None and run[1] == start:
+                    run = (run[0], end)
+                    continue
+                if run is not None:
+                    await self._put(_view(segment.slab, run[0], run[1] - run[0]))
+                run = (start, end)
+                continue
+            if run is not None:
+                await self._put(_view(segment.slab, run[0], run[1] - run[0]))
+                run = None
+            if len(item.stored) >= _SMALL_WRITE:
+                if small:
+                    await self._put(small)
+                    small = bytearray()
+                await self._put(item.stored)
+            else:
+                small += item.stored
+        if run is not None:
+            await self._put(_view(segment.slab, run[0], run[1] - run[0]))
+        if small:
+            await self._put(small)
 
     async def write_all(self, started: float) -> SaveResult:
         structure = memoryview(self.structure)
@@ -448,18 +501,7 @@ class _SaveJob:
             if task is None:
                 break
             segment, encoded = await task
-            for item in encoded:
-                offset = await self._write(item.stored)
-                self.chunks[item.piece.storage.id].append(
-                    fmt.Chunk(
-                        offset,
-                        len(item.stored),
-                        item.piece.size,
-                        item.codec,
-                        item.stored_xxh3,
-                        item.raw_xxh3,
-                    )
-                )
+            await self._write_segment(segment, encoded)
             del encoded  # views of the slab: gone before it is reused
             self.release(segment.slab)
         raw_bytes = len(self.structure) + sum(s.nbytes for s in self.storages)
@@ -481,7 +523,7 @@ class _SaveJob:
             ],
             entries=self.entries,
             raw_bytes=raw_bytes,
-            stored_bytes=self.written,
+            stored_bytes=self.position,
             digest=0,
         )
         manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
@@ -495,7 +537,9 @@ class _SaveJob:
             manifest_xxh3=xxhash.xxh3_64_intdigest(encoded_manifest),
         )
         await self._write(fmt.encode_footer(footer))
-        await self.sink.commit()
+        committing = time.perf_counter()
+        await self.sink.commit()  # fsync and rename, or the multipart completion
+        self.write_seconds += time.perf_counter() - committing
         if self.write_seconds > 0 and self.written >= 64 * MiB:
             _BANDWIDTH[self.bandwidth_key] = self.written / self.write_seconds
         return SaveResult(
@@ -628,7 +672,10 @@ async def save(
             await sink.open()
         decisions = _Decisions(compression_, level, patterns)
         key = resolved.url.rpartition("/")[0]
-        decisions.bandwidth = _BANDWIDTH.get(key)
+        # Until a save to this place has been measured: local disks and memory are fast,
+        # object stores slow; compression pays where it produces bytes faster than these.
+        assumed = 150e6 if isinstance(resolved.store, S3Store) else 1.5e9
+        decisions.bandwidth = _BANDWIDTH.get(key, assumed)
         job = _SaveJob(sink, structure, storages, entries, meta, pool, decisions, key)
     except BaseException as exc:
         await _fail(None, sink, exc)

@@ -9,7 +9,7 @@ from typing import IO, Any
 import anyio
 
 from ..errors import InvalidArgument, NotFound
-from ..stores import Store, Writer, open_store
+from ..stores import LocalStore, Store, Writer, open_store
 from ..stores._keys import check_key
 
 __all__ = ["Target", "resolve", "Sink", "Source"]
@@ -22,7 +22,7 @@ class Sink:
 
     url: str
 
-    async def write(self, data: memoryview | bytes) -> None:
+    async def write(self, data: memoryview | bytes | bytearray) -> None:
         raise NotImplementedError
 
     async def commit(self) -> None:
@@ -78,7 +78,10 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
                 f"target {target!r}: a pair must be (store, key), with an open asyncstore store"
             )
         store, key = target
-        return _Resolved(store, check_key(key, store.url), None)
+        resolved = _Resolved(store, check_key(key, store.url), None)
+        if isinstance(store, LocalStore):
+            resolved.local_path = store._path_for_read(key)
+        return resolved
     if isinstance(target, os.PathLike):
         target = os.fspath(target)
     if isinstance(target, str):
@@ -128,7 +131,7 @@ class StoreSink(Sink):
     async def open(self) -> None:
         await self._writer.__aenter__()
 
-    async def write(self, data: memoryview | bytes) -> None:
+    async def write(self, data: memoryview | bytes | bytearray) -> None:
         await self._writer.write(data)
 
     async def commit(self) -> None:
@@ -146,7 +149,7 @@ class FileSink(Sink):
         self._file = file
         self._limiter = anyio.CapacityLimiter(1)
 
-    async def write(self, data: memoryview | bytes) -> None:
+    async def write(self, data: memoryview | bytes | bytearray) -> None:
         await anyio.to_thread.run_sync(self._file.write, data, limiter=self._limiter)
 
     async def commit(self) -> None:

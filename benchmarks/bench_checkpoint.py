@@ -1,0 +1,453 @@
+"""Checkpoint saves and loads: asyncstore beside raw writes, torch.save, DCP and a hand-written
+aiobotocore multipart upload, all measured in one run.
+
+A transformer-like state (embeddings, attention and MLP matrices, norms; random normal
+values) of ``--size`` MiB, in fp32 and in bf16:
+
+- the limit: the same bytes written raw to one file, then fsync;
+- ``torch.save`` + fsync; DCP ``save`` and ``async_save`` (blocking and total time);
+- asyncstore ``save`` (blocking and total; first and later saves; compression None and
+  "auto"), with the extra memory it held at its peak;
+- loads beside ``torch.load``;
+- to S3 (SeaweedFS on loopback) beside a hand-written aiobotocore multipart upload;
+- a training simulation: CPU steps with a save every K steps, throughput lost.
+
+Run ``python benchmarks/bench_checkpoint.py`` (``--size 64`` for a quick run, ``--write`` to
+record the tables in docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from _report import machine, record
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+import asyncstore
+from asyncstore.checkpoint import staging_pool
+from asyncstore.testing import SeaweedFS
+from asyncstore.torch import save_async
+
+MiB = 1 << 20
+Say = Callable[..., None]
+Compression = Literal["auto", "zstd"] | None
+BUCKET = "bench-checkpoint"
+
+
+def transformer_state(size: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    """About ``size`` bytes of a decoder-only transformer's weights, as a state dict."""
+    width = 1024 if size >= 256 * MiB else 256
+    element = torch.empty(0, dtype=dtype).element_size()
+    vocab = 32_000 if width == 1024 else 8_000
+    per_layer = (12 * width * width + 4 * width) * element
+    layers = max(1, (size - vocab * width * element) // per_layer)
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dtype)
+
+    state = {"embed.weight": weight(vocab, width)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        for name in ("q", "k", "v", "o"):
+            state[p + f"attn.{name}.weight"] = weight(width, width)
+        state[p + "mlp.up.weight"] = weight(4 * width, width)
+        state[p + "mlp.down.weight"] = weight(width, 4 * width)
+        for norm in ("norm1", "norm2"):
+            state[p + f"{norm}.weight"] = torch.ones(width, dtype=dtype)
+            state[p + f"{norm}.bias"] = torch.zeros(width, dtype=dtype)
+    state["lm_head.weight"] = state["embed.weight"]  # tied, as many models do
+    return state
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state.values()
+    }
+    return sum(storages.values())
+
+
+def fsync_path(path: Path) -> None:
+    paths = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def drop(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+class PeakMemory:
+    """Samples this process's resident memory in a thread; ``extra`` is the peak over the
+    level when it started."""
+
+    def __init__(self) -> None:
+        self.base = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+@contextmanager
+def timer() -> Iterator[list[float]]:
+    out: list[float] = []
+    started = time.perf_counter()
+    yield out
+    out.append(time.perf_counter() - started)
+
+
+def raw_write(state: dict[str, torch.Tensor], path: Path) -> float:
+    """The limit: every storage's bytes into one file, then fsync."""
+    seen: set[int] = set()
+    started = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for tensor in state.values():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+            view = _memview(flat)
+            while view:
+                view = view[f.write(view) :]
+        os.fsync(f.fileno())
+    return time.perf_counter() - started
+
+
+def _memview(flat: torch.Tensor) -> memoryview:
+    array = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -> dict[str, float]:
+    size = nbytes(state)
+    results: dict[str, float] = {}
+    gc.collect()
+
+    def row(name: str, blocking: float | None, total: float, extra: str = "") -> None:
+        block = f"{blocking:.2f} s" if blocking is not None else ""
+        say(f"| {name} | {block} | {total:.2f} s | {size / total / 1e6:,.0f} | {extra} |")
+
+    say(f"### Saving a {size / MiB:,.0f} MiB {label} state to local disk")
+    say()
+    say("| writer | blocking | total | MB/s (raw bytes / total) | notes |")
+    say("|---|---:|---:|---:|---|")
+    raw = statistics.median(raw_write(state, tmp / "raw.bin") for _ in range(2))
+    drop(tmp / "raw.bin")
+    results["raw"] = raw
+    row("raw write + fsync (the limit)", None, raw)
+    with timer() as t:
+        torch.save(state, tmp / "torch.pt")
+        fsync_path(tmp / "torch.pt")
+    results["torch.save"] = t[0]
+    row("torch.save + fsync", t[0], t[0])
+    for attempt in ("first", "later"):
+        target = tmp / f"dcp-{attempt}"
+        with timer() as t:
+            dcp_save(state, checkpoint_id=str(target))
+            fsync_path(target)
+        drop(target)
+        row(f"DCP save ({attempt})", t[0], t[0])
+    for attempt in ("first", "later"):
+        target = tmp / f"dcp-async-{attempt}"
+        started = time.perf_counter()
+        future: Any = dcp_async_save(state, checkpoint_id=str(target))
+        blocking = time.perf_counter() - started
+        future.result()
+        fsync_path(target)
+        total = time.perf_counter() - started
+        drop(target)
+        results[f"dcp.async_save {attempt}"] = blocking
+        row(f"DCP async_save ({attempt})", blocking, total)
+
+    async def ours(compression: Compression, target: Path) -> tuple[float, float, int, int]:
+        started = time.perf_counter()
+        with PeakMemory() as memory:
+            handle = await asyncstore.save(state, target, compression=compression)
+            blocking = time.perf_counter() - started
+            result = await handle
+        return blocking, time.perf_counter() - started, memory.extra, result.stored_bytes
+
+    async def all_ours() -> None:
+        compressions: tuple[Compression, ...] = (None, "auto")
+        for compression in compressions:
+            for attempt in ("first", "later"):
+                pool = staging_pool()
+                if attempt == "first":
+                    pool.trim()
+                target = tmp / f"ours-{compression}.ckpt"
+                blocking, total, extra, stored = await ours(compression, target)
+                results[f"ours {compression} {attempt} blocking"] = blocking
+                results[f"ours {compression} {attempt} total"] = total
+                results[f"ours {compression} {attempt} extra"] = extra
+                row(
+                    f"asyncstore save, compression={compression!r} ({attempt})",
+                    blocking,
+                    total,
+                    f"stored {stored / size:.2f} of raw; peak extra memory "
+                    f"{extra / MiB:,.0f} MiB (budget {pool.budget / MiB:,.0f} MiB)",
+                )
+
+    asyncio.run(all_ours())
+    say()
+    say(f"### Loading the {label} state (files in the page cache)")
+    say()
+    say("| reader | time | vs torch.load |")
+    say("|---|---:|---:|")
+    loads: dict[str, list[float]] = {}
+    for _ in range(2):
+        with timer() as t:
+            torch.load(tmp / "torch.pt", weights_only=True)
+        loads.setdefault("torch", []).append(t[0])
+        with timer() as t:
+            asyncstore.torch.load(tmp / "ours-auto.ckpt")
+        loads.setdefault("auto", []).append(t[0])
+        with timer() as t:
+            asyncstore.torch.load(tmp / "ours-None.ckpt")
+        loads.setdefault("none", []).append(t[0])
+    base = min(loads["torch"])
+    say(f"| torch.load (weights_only=True) | {base:.2f} s | 1.00x |")
+    for key, name in (("none", "compression=None"), ("auto", "compression='auto'")):
+        say(
+            f"| asyncstore load, {name} | {min(loads[key]):.2f} s | {min(loads[key]) / base:.2f}x |"
+        )
+    results["load torch"] = base
+    results["load ours"] = min(loads["none"])
+    say()
+    for name in ("torch.pt", "ours-None.ckpt", "ours-auto.ckpt"):
+        drop(tmp / name)
+    return results
+
+
+def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
+    size = nbytes(state)
+    server = SeaweedFS(data_dir=tmp / "seaweedfs")
+    server.start()
+    try:
+        server.create_bucket(BUCKET)
+        options = server.store_options(part_size=16 * MiB, upload_concurrency=4)
+        payload = bytearray(size)
+        position, seen = 0, set()
+        for tensor in state.values():
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            view = _memview(torch.empty(0, dtype=torch.uint8).set_(storage))
+            payload[position : position + len(view)] = view
+            position += len(view)
+
+        async def handwritten(key: str) -> float:
+            # The baseline: one aiobotocore client, 16 MiB parts, 4 in flight.
+            from aiobotocore.config import AioConfig
+            from aiobotocore.session import get_session
+
+            config = AioConfig(
+                max_pool_connections=8,
+                s3={"addressing_style": "path"},
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            )
+            started = time.perf_counter()
+            async with get_session().create_client(
+                "s3",
+                endpoint_url=server.endpoint_url,
+                region_name=server.region,
+                aws_access_key_id=server.access_key,
+                aws_secret_access_key=server.secret_key,
+                config=config,
+            ) as client:
+                upload = await client.create_multipart_upload(Bucket=BUCKET, Key=key)
+                limit = asyncio.Semaphore(4)
+
+                async def part(number: int, start: int) -> dict[str, Any]:
+                    async with limit:
+                        resp = await client.upload_part(
+                            Bucket=BUCKET,
+                            Key=key,
+                            UploadId=upload["UploadId"],
+                            PartNumber=number,
+                            Body=bytes(payload[start : start + 16 * MiB]),
+                        )
+                    return {"PartNumber": number, "ETag": resp["ETag"]}
+
+                parts = await asyncio.gather(
+                    *(part(i + 1, s) for i, s in enumerate(range(0, size, 16 * MiB)))
+                )
+                await client.complete_multipart_upload(
+                    Bucket=BUCKET,
+                    Key=key,
+                    UploadId=upload["UploadId"],
+                    MultipartUpload={"Parts": list(parts)},
+                )
+            return time.perf_counter() - started
+
+        async def ours(key: str, compression: Compression) -> tuple[float, float]:
+            started = time.perf_counter()
+            handle = await asyncstore.save(
+                state, f"s3://{BUCKET}/{key}", compression=compression, store_options=options
+            )
+            blocking = time.perf_counter() - started
+            await handle
+            return blocking, time.perf_counter() - started
+
+        async def run() -> None:
+            base = statistics.median([await handwritten(f"hand-{i}") for i in range(2)])
+            say(f"### Saving the {size / MiB:,.0f} MiB bf16 state to S3 (SeaweedFS on loopback)")
+            say()
+            say("| writer | blocking | total | vs hand-written multipart |")
+            say("|---|---:|---:|---:|")
+            say(
+                "| aiobotocore multipart, 16 MiB parts, 4 in flight (baseline) | | "
+                f"{base:.2f} s | 1.00x |"
+            )
+            compressions: tuple[Compression, ...] = (None, "auto")
+            for compression in compressions:
+                runs = [await ours(f"ours-{compression}-{i}", compression) for i in range(2)]
+                blocking = statistics.median(r[0] for r in runs)
+                total = statistics.median(r[1] for r in runs)
+                say(
+                    f"| asyncstore save, compression={compression!r} | {blocking:.2f} s | "
+                    f"{total:.2f} s | {total / base:.2f}x |"
+                )
+            say()
+
+        asyncio.run(run())
+    finally:
+        server.stop(timeout=1.0)
+
+
+def simulate(state: dict[str, torch.Tensor], tmp: Path, say: Say, steps: int, every: int) -> None:
+    """CPU training steps with a save every ``every`` steps: throughput lost to saving."""
+    size = nbytes(state)
+    a = torch.randn(384, 384)
+
+    def step() -> None:
+        # A fixed amount of work standing in for forward and backward.
+        x = a
+        for _ in range(12):
+            x = torch.tanh(x @ a)
+        for tensor in list(state.values())[:4]:
+            tensor.mul_(1.0)  # the optimizer touches the weights
+
+    def run(save: Callable[[int], Any] | None) -> float:
+        pending: list[Any] = []
+        started = time.perf_counter()
+        for i in range(1, steps + 1):
+            step()
+            if save is not None and i % every == 0:
+                pending.append(save(i))
+        for future in pending:
+            if future is not None:
+                future.result()
+        return time.perf_counter() - started
+
+    def with_torch(i: int) -> None:
+        path = tmp / "sim.pt"
+        torch.save(state, path)
+        fsync_path(path)
+
+    def with_ours(i: int) -> Any:
+        return save_async(state, tmp / "sim.ckpt", compression=None)
+
+    baseline = min(run(None) for _ in range(2))
+    lost_torch = run(with_torch) / baseline - 1
+    lost_ours = run(with_ours) / baseline - 1
+    say(
+        f"### Training simulation: {steps} CPU steps, a save of {size / MiB:,.0f} MiB every "
+        f"{every} steps"
+    )
+    say()
+    say("| saving with | run time | throughput lost to checkpointing |")
+    say("|---|---:|---:|")
+    say(f"| no saves (baseline) | {baseline:.2f} s | |")
+    say(f"| torch.save + fsync | {baseline * (1 + lost_torch):.2f} s | {lost_torch:.1%} |")
+    say(
+        f"| asyncstore.torch.save_async, compression=None | {baseline * (1 + lost_ours):.2f} s "
+        f"| {lost_ours:.1%} |"
+    )
+    say()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=1024, help="state size in MiB")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
+    args = parser.parse_args()
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"Machine: {machine()}")
+    say()
+    size = args.size * MiB
+    with tempfile.TemporaryDirectory(
+        prefix="bench-checkpoint-", dir=os.environ.get("BENCH_DIR")
+    ) as name:
+        tmp = Path(name)
+        fp32 = transformer_state(size, torch.float32)
+        run_saves("fp32", fp32, tmp, say)
+        del fp32
+        gc.collect()
+        bf16 = transformer_state(size, torch.bfloat16)
+        run_saves("bf16", bf16, tmp, say)
+        run_s3(bf16, tmp, say)
+        del bf16
+        gc.collect()
+        sim = transformer_state(size // 4, torch.float32, seed=1)
+        simulate(sim, tmp, say, args.steps, args.every)
+    if args.write:
+        record("bench_checkpoint", "Checkpoints", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
