@@ -140,6 +140,13 @@ def timer() -> Iterator[list[float]]:
     out.append(time.perf_counter() - started)
 
 
+def settle() -> None:
+    """Start every measurement alike: dirty pages written back, garbage collected."""
+    gc.collect()
+    os.sync()
+    time.sleep(0.5)
+
+
 def raw_write(state: dict[str, torch.Tensor], path: Path) -> float:
     """The limit: every storage's bytes into one file, then fsync."""
     seen: set[int] = set()
@@ -176,10 +183,15 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
     say()
     say("| writer | blocking | total | MB/s (raw bytes / total) | notes |")
     say("|---|---:|---:|---:|---|")
-    raw = statistics.median(raw_write(state, tmp / "raw.bin") for _ in range(2))
+    raws = []
+    for _ in range(2):
+        settle()
+        raws.append(raw_write(state, tmp / "raw.bin"))
+    raw = statistics.median(raws)
     drop(tmp / "raw.bin")
     results["raw"] = raw
     row("raw write + fsync (the limit)", None, raw)
+    settle()
     with timer() as t:
         torch.save(state, tmp / "torch.pt")
         fsync_path(tmp / "torch.pt")
@@ -187,6 +199,7 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
     row("torch.save + fsync", t[0], t[0])
     for attempt in ("first", "later"):
         target = tmp / f"dcp-{attempt}"
+        settle()
         with timer() as t:
             dcp_save(state, checkpoint_id=str(target))
             fsync_path(target)
@@ -194,6 +207,7 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
         row(f"DCP save ({attempt})", t[0], t[0])
     for attempt in ("first", "later"):
         target = tmp / f"dcp-async-{attempt}"
+        settle()
         started = time.perf_counter()
         future: Any = dcp_async_save(state, checkpoint_id=str(target))
         blocking = time.perf_counter() - started
@@ -220,6 +234,7 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
                 if attempt == "first":
                     pool.trim()
                 target = tmp / f"ours-{compression}.ckpt"
+                settle()
                 blocking, total, extra, stored = await ours(compression, target)
                 results[f"ours {compression} {attempt} blocking"] = blocking
                 results[f"ours {compression} {attempt} total"] = total
@@ -394,9 +409,15 @@ def simulate(state: dict[str, torch.Tensor], tmp: Path, say: Say, steps: int, ev
     def with_ours(i: int) -> Any:
         return save_async(state, tmp / "sim.ckpt", compression=None)
 
-    baseline = min(run(None) for _ in range(2))
-    lost_torch = run(with_torch) / baseline - 1
-    lost_ours = run(with_ours) / baseline - 1
+    # Interleaved and repeated: this machine's speed drifts from minute to minute.
+    times: dict[str, list[float]] = {"none": [], "torch": [], "ours": []}
+    for _ in range(3):
+        for name, save in (("none", None), ("torch", with_torch), ("ours", with_ours)):
+            settle()
+            times[name].append(run(save))
+    baseline = statistics.median(times["none"])
+    lost_torch = statistics.median(times["torch"]) / baseline - 1
+    lost_ours = statistics.median(times["ours"]) / baseline - 1
     say(
         f"### Training simulation: {steps} CPU steps, a save of {size / MiB:,.0f} MiB every "
         f"{every} steps"

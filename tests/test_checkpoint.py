@@ -171,7 +171,7 @@ async def test_large_storages_compress_and_span_chunks(store: asyncstore.Store) 
         exclude=["emb"],
     )
     result = await handle
-    manifest = await read_manifest(StoreSource(store, "big.ckpt", None))
+    manifest = await read_manifest((store, "big.ckpt"))
     assert manifest is not None
     codecs = {s.name: {c.codec for c in s.chunks} for s in manifest.storages}
     assert codecs["w"] == {"zstd+shuffle2"}
@@ -195,7 +195,7 @@ async def test_auto_compresses_where_it_pays(seaweedfs: SeaweedFS) -> None:
     result = await (await asyncstore.save(state, f"{url}/auto.ckpt", store_options=options))
     assert result.compressed_storages == 1
     async with asyncstore.open_store(url, **options) as store:
-        manifest = await read_manifest(StoreSource(store, "auto.ckpt", None))
+        manifest = await read_manifest((store, "auto.ckpt"))
     assert manifest is not None
     by_name = {s.name: s for s in manifest.storages}
     assert {c.codec for c in by_name["w"].chunks} == {"zstd+shuffle2"}
@@ -207,11 +207,17 @@ async def test_metadata_and_torch_save_files(tmp_path: Path) -> None:
     state = {"w": torch.arange(10.0)}
     await (await asyncstore.save(state, tmp_path / "m.ckpt", metadata={"step": 7, "tag": "a"}))
     async with asyncstore.open_store(tmp_path) as store:
-        manifest = await read_manifest(StoreSource(store, "m.ckpt", None))
+        manifest = await read_manifest((store, "m.ckpt"))
     assert manifest is not None
     assert manifest.metadata == {"step": 7, "tag": "a"}
     torch.save(state, tmp_path / "plain.pt")
     assert_same(state, await asyncstore.load(tmp_path / "plain.pt"))
+    # keys= and into= behave on torch.save files as on ours.
+    assert list(await asyncstore.load(tmp_path / "plain.pt", keys=["w"])) == ["w"]
+    with pytest.raises(InvalidArgument, match="no entries"):
+        await asyncstore.load(tmp_path / "plain.pt", keys=["nope"])
+    with pytest.raises(InvalidArgument, match=r"into\['w'\]"):
+        await asyncstore.load(tmp_path / "plain.pt", into={"w": torch.zeros(4)})
 
 
 async def test_torch_save_file_from_s3(seaweedfs: SeaweedFS) -> None:
@@ -240,7 +246,7 @@ async def test_keys_read_only_their_chunks() -> None:
 
     async with asyncstore.open_store(f"memory://{unique()}") as store:
         await (await asyncstore.save(state, (store, "k"), compression=None, chunk_bytes=4096))
-        manifest = await read_manifest(StoreSource(store, "k", None))
+        manifest = await read_manifest((store, "k"))
         assert manifest is not None
         a_chunks = [c for s in manifest.storages if s.name == "a" for c in s.chunks]
         b_chunks = [c for s in manifest.storages if s.name == "b" for c in s.chunks]
@@ -306,19 +312,19 @@ async def test_every_byte_flip_and_truncation_is_detected() -> None:
 
 
 async def test_damaged_chunk_names_tensor_chunk_and_url(tmp_path: Path) -> None:
-    state = {"layer.weight": torch.randn(4096)}
+    state = {"model": {"layer.weight": torch.randn(4096)}}
     path = tmp_path / "d.ckpt"
     await (await asyncstore.save(state, path, compression=None, chunk_bytes=4096))
     data = bytearray(path.read_bytes())
     async with asyncstore.open_store(tmp_path) as store:
-        manifest = await read_manifest(StoreSource(store, "d.ckpt", None))
+        manifest = await read_manifest((store, "d.ckpt"))
     assert manifest is not None
     chunk = manifest.storages[0].chunks[2]
     data[chunk.offset + 10] ^= 0xFF
     path.write_bytes(bytes(data))
     with pytest.raises(
         IntegrityError,
-        match=r"d\.ckpt: chunk 2 of tensor 'layer\.weight'",
+        match=r"d\.ckpt: chunk 2 of tensor 'model\.layer\.weight'",
     ):
         await asyncstore.load(path)
 
@@ -416,6 +422,7 @@ async def test_bad_arguments(tmp_path: Path) -> None:
         ({"chunk_bytes": 0}, "chunk_bytes=0"),
         ({"staging_bytes": 8192, "chunk_bytes": 16384}, "smaller than chunk_bytes"),
         ({"metadata": {"f": object()}}, "metadata cannot be stored"),
+        ({"metadata": {1: "a"}}, "str keys"),
         ({"exclude": [3]}, "exclude="),
     ]
     for kwargs, match in cases:

@@ -14,6 +14,7 @@ DOCS = [
     ROOT / "docs" / "stores.md",
     ROOT / "docs" / "cache.md",
     ROOT / "docs" / "datasets.md",
+    ROOT / "docs" / "checkpoints.md",
 ]
 
 

@@ -57,8 +57,8 @@ CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8")
 class Chunk(msgspec.Struct, array_like=True, frozen=True):
     """One stored piece of a storage (or of the structure).
 
-    Later format versions may append fields (a chunk in another object, say); readers of
-    this version ignore nothing they need: ``object`` is reserved for that.
+    Encoded as an array. A later format version may append fields (a chunk kept in another
+    object, say); it will raise the format version, which readers of this one refuse.
     """
 
     offset: int  # where its stored bytes start in the checkpoint object
@@ -151,6 +151,10 @@ def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
         manifest = _manifest_decoder.decode(data)
     except msgspec.DecodeError as exc:
         raise IntegrityError(f"{where}: the checkpoint's manifest is malformed ({exc})") from None
+    if manifest.format != footer.version:
+        raise IntegrityError(
+            f"{where}: the manifest says format {manifest.format}, the footer {footer.version}"
+        )
     if digest_of(manifest) != manifest.digest:
         raise IntegrityError(f"{where}: the checkpoint's chunk digest does not match")
     return manifest

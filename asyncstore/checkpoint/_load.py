@@ -34,7 +34,37 @@ class LoadOptions(TypedDict, total=False):
     store_options: dict[str, Any] | None
 
 
-async def read_manifest(source: Source) -> fmt.Manifest | None:
+async def read_manifest(
+    source: Any, *, store_options: dict[str, Any] | None = None
+) -> fmt.Manifest:
+    """A checkpoint's manifest, verified: its metadata, storages, chunks and digest.
+
+    ``source`` as for :func:`load`. Reads only the footer and the manifest.
+
+    Raises:
+        IntegrityError: it is not an asyncstore checkpoint, or it is damaged.
+        NotFound: there is nothing at ``source``.
+    """
+    resolved = resolve(source, store_options, writing=False)
+    try:
+        src = _source(resolved)
+        manifest = await _read_manifest(src)
+        if manifest is None:
+            raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
+        return manifest
+    finally:
+        await resolved.aclose()
+
+
+def _source(resolved: Any) -> Source:
+    if resolved.file is not None:
+        return FileSource(resolved.file)
+    assert resolved.store is not None
+    assert resolved.key is not None
+    return StoreSource(resolved.store, resolved.key, resolved.local_path)
+
+
+async def _read_manifest(source: Source) -> fmt.Manifest | None:
     """The checkpoint's manifest, verified; None for an object that is not one of ours."""
     size = await source.size()
     if size < fmt.FOOTER_SIZE:
@@ -297,15 +327,9 @@ async def load(
             )
         wanted = list(into)
     resolved = resolve(source, store_options, writing=False)
-    src: Source
-    if resolved.file is not None:
-        src = FileSource(resolved.file)
-    else:
-        assert resolved.store is not None
-        assert resolved.key is not None
-        src = StoreSource(resolved.store, resolved.key, resolved.local_path)
+    src = _source(resolved)
     try:
-        manifest = await read_manifest(src)
+        manifest = await _read_manifest(src)
         if manifest is None:
             size = await src.size()
             head = await src.read(0, min(size, len(fmt.MAGIC)))
@@ -318,7 +342,7 @@ async def load(
                 raise IntegrityError(
                     f"{src.url} is neither an asyncstore checkpoint nor a torch.save file"
                 )
-            return await _load_torch(src, map_location, weights_only, wanted, into)
+            return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
         reader = _Reader(src, manifest)
         try:
             return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
@@ -427,16 +451,46 @@ async def _fill(
         del storage
 
 
+def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url: str) -> Any:
+    # keys= and into= for an object loaded whole (a torch.save file).
+    if wanted is None:
+        return obj
+    if not isinstance(obj, dict):
+        raise InvalidArgument(f"{url} does not hold a dict: keys= and into= need one")
+    missing = [k for k in wanted if k not in obj]
+    if missing:
+        raise InvalidArgument(f"{url} has no entries {missing!r}")
+    if into is None:
+        return type(obj)((k, obj[k]) for k in wanted)
+    with torch.no_grad():
+        for key in into:
+            loaded, target = obj[key], into[key]
+            if isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
+                if loaded.shape != target.shape or loaded.dtype != target.dtype:
+                    raise InvalidArgument(
+                        f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
+                        f"holds {tuple(loaded.shape)} {loaded.dtype}"
+                    )
+                target.copy_(loaded)
+            else:
+                into[key] = loaded
+    return into
+
+
 async def _load_torch(
     src: Source,
     map_location: Any,
     weights_only: bool,
     wanted: list[str] | None,
     into: dict[str, Any] | None,
+    safe_globals: Iterable[Any],
 ) -> Any:
     # Not one of ours: a torch.save file, loaded by torch (users switch without converting).
+    allowed = list(safe_globals)
+
     def run(file: Any) -> Any:
-        return torch.load(file, map_location=map_location, weights_only=weights_only)
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(file, map_location=map_location, weights_only=weights_only)
 
     try:
         if src.local_path is not None:
@@ -455,14 +509,4 @@ async def _load_torch(
         raise IntegrityError(
             f"{src.url} is neither an asyncstore checkpoint nor a file torch.load reads ({exc})"
         ) from exc
-    if wanted is None:
-        return obj
-    if into is not None:
-        with torch.no_grad():
-            for key in into:
-                if isinstance(into[key], torch.Tensor):
-                    into[key].copy_(obj[key])
-                else:
-                    into[key] = obj[key]
-        return into
-    return type(obj)((k, obj[k]) for k in wanted)
+    return _select(obj, wanted, into, src.url)

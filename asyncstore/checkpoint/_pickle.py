@@ -66,6 +66,7 @@ class StoragePickler(pickle.Pickler):
         self.storages = storages  # by the storage's C pointer, shared across picklers
         self.entry = ""  # the top-level entry being pickled, for names in messages
         self.seen: set[int] = set()  # storage ids this pickler referenced
+        self.names: dict[int, str] = {}  # storage C pointer -> dotted path of a tensor on it
 
     def persistent_id(self, obj: Any) -> tuple[str, int, str] | None:
         if isinstance(obj, torch.storage.TypedStorage):
@@ -82,7 +83,8 @@ class StoragePickler(pickle.Pickler):
         key = untyped._cdata
         saved = self.storages.get(key)
         if saved is None:
-            saved = SavedStorage(len(self.storages), untyped, dtype, self.entry or "<object>")
+            name = self.names.get(key) or self.entry or "<object>"
+            saved = SavedStorage(len(self.storages), untyped, dtype, name)
             self.storages[key] = saved
         self.seen.add(saved.id)
         return ("storage", saved.id, dtype_name(dtype))
@@ -96,6 +98,7 @@ def pickle_structure(
     storages: dict[int, SavedStorage] = {}
     entries: dict[str, list[int]] | None = None
     buffer = io.BytesIO()
+    names = _tensor_paths(obj)
     try:
         if type(obj) in (dict, collections.OrderedDict) and all(isinstance(k, str) for k in obj):
             # A pass per entry records which storages it uses (and names storages after the
@@ -103,13 +106,35 @@ def pickle_structure(
             entries = {}
             for key, value in obj.items():
                 probe = StoragePickler(io.BytesIO(), storages)
-                probe.entry = key
+                probe.entry, probe.names = key, names
                 probe.dump(value)
                 entries[key] = sorted(probe.seen)
-        StoragePickler(buffer, storages).dump(obj)
+        pickler = StoragePickler(buffer, storages)
+        pickler.names = names
+        pickler.dump(obj)
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
     return buffer.getvalue(), list(storages.values()), entries
+
+
+def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:
+    """Dotted paths (``model.layers.0.weight``) of the tensors in nested dicts, lists and
+    tuples, by storage: names for messages and ``exclude`` patterns."""
+    names: dict[int, str] = {}
+    stack: list[tuple[str, Any]] = [("", obj)]
+    while stack and limit:
+        limit -= 1
+        path, value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            key = value.untyped_storage()._cdata
+            names.setdefault(key, path or "<object>")
+        elif isinstance(value, dict):
+            stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
+        elif isinstance(value, list | tuple):
+            stack.extend(
+                (f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value)))
+            )
+    return names
 
 
 # -- loading ---------------------------------------------------------------------------------

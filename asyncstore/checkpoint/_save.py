@@ -158,6 +158,10 @@ class StagingPool:
         """Bytes of slabs in existence (free or in use)."""
         return self.allocated * self.slab_bytes
 
+    def can_acquire(self) -> bool:
+        """Whether :meth:`acquire` would return without waiting."""
+        return bool(self._free) or (self.allocated + 1) * self.slab_bytes <= self.budget
+
     async def acquire(self) -> torch.Tensor:
         """A free slab; waits while the budget is spent and every slab is in use."""
         while True:
@@ -235,7 +239,7 @@ class _Segment:
     slab: torch.Tensor
     pieces: list[_Piece] = field(default_factory=list)
     used: int = 0
-    ready: Any = None  # a CUDA event when the copies run on a side stream
+    ready: list[Any] = field(default_factory=list)  # CUDA events of side-stream copies
 
 
 @dataclass
@@ -312,7 +316,8 @@ class _SaveJob:
         self.held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
         self.tasks: list[asyncio.Future[tuple[_Segment, list[_Encoded]]]] = []
         self.writer: asyncio.Future[SaveResult] | None = None
-        self.stream: Any = None
+        self.gate = asyncio.Event()  # set: encoders may run
+        self.streams: dict[int, Any] = {}  # CUDA device index -> its side stream
         self.write_seconds = 0.0
         self.written = 0  # bytes handed to the sink
         self.position = 0  # bytes laid out in the checkpoint (ahead of written while gathering)
@@ -323,9 +328,12 @@ class _SaveJob:
     async def snapshot(self) -> None:
         started = time.perf_counter()
         chunk = self.pool.slab_bytes
-        if any(s.storage.device.type == "cuda" for s in self.storages):
-            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-            self.stream.wait_stream(torch.cuda.current_stream())
+        for device in {s.storage.device for s in self.storages if s.storage.device.type == "cuda"}:
+            # One side stream per GPU, ordered after the work already queued there (the
+            # step that produced these tensors).
+            stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+            stream.wait_stream(torch.cuda.current_stream(device))
+            self.streams[device.index or 0] = stream
         segment: _Segment | None = None
         for saved in self.storages:
             source = _bytes_of(saved.storage)
@@ -340,13 +348,16 @@ class _SaveJob:
                 segment.used += size
         if segment is not None:
             await self._submit(segment)
-        if self.stream is not None:
+        for index, stream in self.streams.items():
             # The caller's later kernels wait for our copies; its thread does not.
-            torch.cuda.current_stream().wait_stream(self.stream)
+            torch.cuda.current_stream(index).wait_stream(stream)
         self.snapshot_seconds = time.perf_counter() - started
+        self.gate.set()
         await self.queue.put(None)
 
     async def _segment(self) -> _Segment:
+        if not self.pool.can_acquire():
+            self.gate.set()  # slabs come back only once written: start the pipeline now
         # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
         acquire = asyncio.ensure_future(self.pool.acquire())
         waiting: set[asyncio.Future[Any]] = {acquire}
@@ -377,17 +388,33 @@ class _SaveJob:
             self.release(slab)
 
     async def _submit(self, segment: _Segment) -> None:
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                self._copy(segment, non_blocking=True)
-                segment.ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                segment.ready.record(self.stream)
+        if any(piece.source.is_cuda for piece in segment.pieces):
+            self._copy_cuda(segment)
         else:
             # One thread hop per segment; torch's copy releases the GIL.
             await anyio.to_thread.run_sync(self._copy, segment, False, limiter=self.copier)
         task = asyncio.ensure_future(self._encode(segment))
         self.tasks.append(task)
         await self.queue.put(task)
+
+    def _copy_cuda(self, segment: _Segment) -> None:
+        # Device-to-host copies into pinned slabs, queued on each GPU's side stream: this
+        # thread does not wait for them; the encoder waits for their events.
+        used: set[int] = set()
+        for piece in segment.pieces:
+            target = segment.slab[piece.start : piece.start + piece.size]
+            if piece.source.is_cuda:
+                index = piece.source.device.index or 0
+                with torch.cuda.stream(self.streams[index]):
+                    target.copy_(piece.source, non_blocking=True)
+                used.add(index)
+            else:
+                target.copy_(piece.source)
+            piece.source = target
+        for index in used:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self.streams[index])
+            segment.ready.append(event)
 
     @staticmethod
     def _copy(segment: _Segment, non_blocking: bool) -> None:
@@ -399,12 +426,16 @@ class _SaveJob:
     # -- encode (worker threads) ---------------------------------------------------------------
 
     async def _encode(self, segment: _Segment) -> tuple[_Segment, list[_Encoded]]:
+        # The caller is waiting for the snapshot: encoding and writing start when it is
+        # taken (so that the copies have the CPU and memory bandwidth to themselves), or
+        # as soon as the pool runs dry and slabs must be written to come back.
+        await self.gate.wait()
         encoded = await anyio.to_thread.run_sync(self._encode_sync, segment, limiter=self.encoders)
         return segment, encoded
 
     def _encode_sync(self, segment: _Segment) -> list[_Encoded]:
-        if segment.ready is not None:
-            segment.ready.synchronize()
+        for event in segment.ready:
+            event.synchronize()
         out = []
         for piece in segment.pieces:
             raw = _view(segment.slab, piece.start, piece.size)
@@ -486,7 +517,7 @@ class _SaveJob:
         structure = memoryview(self.structure)
         digest = xxhash.xxh3_64_intdigest(structure)
         codec, stored = "raw", structure
-        if len(structure) >= _SMALL:
+        if self.decisions.compression is not None and len(structure) >= _SMALL:
             compressed = fmt.compress(structure, "zstd", self.decisions.level)
             if len(compressed) < len(structure):
                 codec, stored = "zstd", memoryview(compressed)
@@ -590,8 +621,8 @@ def _check(
     if not isinstance(exclude, Iterable) or not all(isinstance(p, str) for p in exclude):
         raise InvalidArgument(f"exclude={exclude!r}: pass name patterns such as ['*.embed*']")
     meta = {} if metadata is None else metadata
-    if not isinstance(meta, dict):
-        raise InvalidArgument(f"metadata={metadata!r}: pass a dict")
+    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
+        raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys")
     try:
         msgspec.msgpack.encode(meta)
     except (TypeError, msgspec.EncodeError) as exc:
@@ -627,7 +658,7 @@ async def save(
             a ``(store, key)`` pair, or a writable binary file object (not atomic).
         compression: ``"auto"`` probes each storage's first chunk and compresses only where
             it shrinks and keeps up with the target's measured write speed; ``"zstd"``
-            always; ``None`` never. Floats of 2 and 4 bytes are byte-shuffled first.
+            always; ``None`` never. Elements of 2 and 4 bytes are byte-shuffled first.
         level: zstd level (1 is fast; higher is smaller and slower).
         chunk_bytes: chunk size: the unit of compression, checksums and ranged reads.
         staging_bytes: the staging pool's budget. A state larger than it streams through

@@ -58,7 +58,8 @@ class _Resolved:
     def url(self) -> str:
         if self.store is not None and self.key is not None:
             return f"{self.store.url}/{self.key}"
-        return f"<file object {getattr(self.file, 'name', type(self.file).__name__)!r}>"
+        name = getattr(self.file, "name", type(self.file).__name__)
+        return f"<file object {name!r} at {id(self.file):#x}>"
 
     async def aclose(self) -> None:
         if self.owned and self.store is not None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import logging
 from typing import Any, Unpack
 
 from .._loop import bridge_loop, run_sync
@@ -14,6 +16,26 @@ from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
 
 __all__ = ["save", "save_async", "load"]
+
+logger = logging.getLogger("asyncstore.checkpoint")
+
+# Saves started with save_async and not finished: the interpreter waits for them at exit,
+# as it would for torch.save, rather than dropping them with the background thread.
+_PENDING: set[concurrent.futures.Future[SaveResult]] = set()
+
+
+def _finish_pending() -> None:
+    pending = list(_PENDING)
+    if pending:
+        logger.warning("waiting for %d checkpoint save(s) to finish before exiting", len(pending))
+    for future in pending:
+        try:
+            future.result()
+        except Exception:
+            logger.exception("a checkpoint save failed at exit")
+
+
+atexit.register(_finish_pending)  # after the bridge's own: runs before it stops the loop
 
 
 async def _save_and_wait(obj: Any, f: Any, options: SaveOptions) -> SaveResult:
@@ -45,7 +67,10 @@ def save_async(
     :func:`save`.
     """
     handle = run_sync(_save(obj, f, **options))
-    return asyncio.run_coroutine_threadsafe(handle.wait(), bridge_loop())
+    future = asyncio.run_coroutine_threadsafe(handle.wait(), bridge_loop())
+    _PENDING.add(future)
+    future.add_done_callback(_PENDING.discard)
+    return future
 
 
 def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> Any:
