@@ -429,13 +429,8 @@ async def _fill(
     # One storage at a time: read it, copy its tensors into place, let it go.
     users: dict[int, list[str]] = {}
     for key in into:
-        loaded, target = obj[key], into[key]
-        if isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
-            if loaded.shape != target.shape or loaded.dtype != target.dtype:
-                raise InvalidArgument(
-                    f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
-                    f"holds {tuple(loaded.shape)} {loaded.dtype}"
-                )
+        loaded = obj[key]
+        if _tensor_pair(key, loaded, into[key]):
             users.setdefault(meta[loaded.untyped_storage()._cdata], []).append(key)
         else:
             into[key] = loaded
@@ -449,6 +444,18 @@ async def _fill(
             with torch.no_grad():
                 into[key].copy_(view)
         del storage
+
+
+def _tensor_pair(key: str, loaded: Any, target: Any) -> bool:
+    """Whether ``into[key]`` is a tensor to fill from ``loaded``; raises on a mismatch."""
+    if not (isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor)):
+        return False
+    if loaded.shape != target.shape or loaded.dtype != target.dtype:
+        raise InvalidArgument(
+            f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
+            f"holds {tuple(loaded.shape)} {loaded.dtype}"
+        )
+    return True
 
 
 def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url: str) -> Any:
@@ -465,12 +472,7 @@ def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url
     with torch.no_grad():
         for key in into:
             loaded, target = obj[key], into[key]
-            if isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor):
-                if loaded.shape != target.shape or loaded.dtype != target.dtype:
-                    raise InvalidArgument(
-                        f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
-                        f"holds {tuple(loaded.shape)} {loaded.dtype}"
-                    )
+            if _tensor_pair(key, loaded, target):
                 target.copy_(loaded)
             else:
                 into[key] = loaded
