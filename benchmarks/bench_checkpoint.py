@@ -172,82 +172,126 @@ def _memview(flat: torch.Tensor) -> memoryview:
 
 def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -> dict[str, float]:
     size = nbytes(state)
-    results: dict[str, float] = {}
-    gc.collect()
+    results: dict[str, list[float]] = {}
 
-    def row(name: str, blocking: float | None, total: float, extra: str = "") -> None:
-        block = f"{blocking:.2f} s" if blocking is not None else ""
-        say(f"| {name} | {block} | {total:.2f} s | {size / total / 1e6:,.0f} | {extra} |")
+    def note(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
 
-    say(f"### Saving a {size / MiB:,.0f} MiB {label} state to local disk")
-    say()
-    say("| writer | blocking | total | MB/s (raw bytes / total) | notes |")
-    say("|---|---:|---:|---:|---|")
-    raws = []
-    for _ in range(2):
+    def raw_once() -> None:
         settle()
-        raws.append(raw_write(state, tmp / "raw.bin"))
-    raw = statistics.median(raws)
-    drop(tmp / "raw.bin")
-    results["raw"] = raw
-    row("raw write + fsync (the limit)", None, raw)
-    settle()
-    with timer() as t:
-        torch.save(state, tmp / "torch.pt")
-        fsync_path(tmp / "torch.pt")
-    results["torch.save"] = t[0]
-    row("torch.save + fsync", t[0], t[0])
-    for attempt in ("first", "later"):
-        target = tmp / f"dcp-{attempt}"
+        note("raw total", raw_write(state, tmp / "raw.bin"))
+        drop(tmp / "raw.bin")
+
+    def torch_once() -> None:
         settle()
         with timer() as t:
-            dcp_save(state, checkpoint_id=str(target))
-            fsync_path(target)
-        drop(target)
-        row(f"DCP save ({attempt})", t[0], t[0])
-    for attempt in ("first", "later"):
-        target = tmp / f"dcp-async-{attempt}"
+            torch.save(state, tmp / "torch.pt")
+            fsync_path(tmp / "torch.pt")
+        note("torch.save total", t[0])
+
+    def dcp_once(attempt: str, asynchronous: bool) -> None:
+        target = tmp / f"dcp-{attempt}"
         settle()
         started = time.perf_counter()
-        future: Any = dcp_async_save(state, checkpoint_id=str(target))
-        blocking = time.perf_counter() - started
-        future.result()
+        if asynchronous:
+            future: Any = dcp_async_save(state, checkpoint_id=str(target))
+            note(f"dcp async {attempt} blocking", time.perf_counter() - started)
+            future.result()
+        else:
+            dcp_save(state, checkpoint_id=str(target))
         fsync_path(target)
-        total = time.perf_counter() - started
+        kind = "dcp async" if asynchronous else "dcp"
+        note(f"{kind} {attempt} total", time.perf_counter() - started)
         drop(target)
-        results[f"dcp.async_save {attempt}"] = blocking
-        row(f"DCP async_save ({attempt})", blocking, total)
 
-    async def ours(compression: Compression, target: Path) -> tuple[float, float, int, int]:
+    async def ours_once(compression: Compression, attempt: str) -> None:
+        pool = staging_pool()
+        if attempt == "first":
+            pool.trim()
+        target = tmp / f"ours-{compression}.ckpt"
+        settle()
         started = time.perf_counter()
         with PeakMemory() as memory:
             handle = await asyncstore.save(state, target, compression=compression)
             blocking = time.perf_counter() - started
             result = await handle
-        return blocking, time.perf_counter() - started, memory.extra, result.stored_bytes
+        name = f"ours {compression} {attempt}"
+        note(f"{name} blocking", blocking)
+        note(f"{name} total", time.perf_counter() - started)
+        note(f"{name} extra", memory.extra)
+        note(f"{name} ratio", result.stored_bytes / size)
+        note("budget", pool.budget)
 
-    async def all_ours() -> None:
-        compressions: tuple[Compression, ...] = (None, "auto")
+    compressions: tuple[Compression, ...] = (None, "auto")
+
+    async def ours_first() -> None:
         for compression in compressions:
-            for attempt in ("first", "later"):
-                pool = staging_pool()
-                if attempt == "first":
-                    pool.trim()
-                target = tmp / f"ours-{compression}.ckpt"
-                settle()
-                blocking, total, extra, stored = await ours(compression, target)
-                results[f"ours {compression} {attempt} blocking"] = blocking
-                results[f"ours {compression} {attempt} total"] = total
-                results[f"ours {compression} {attempt} extra"] = extra
-                row(
-                    f"asyncstore save, compression={compression!r} ({attempt})",
-                    blocking,
-                    total,
-                    f"stored {stored / size:.2f} of raw; peak extra memory "
-                    f"{extra / MiB:,.0f} MiB (budget {pool.budget / MiB:,.0f} MiB)",
-                )
+            await ours_once(compression, "first")
 
-    asyncio.run(all_ours())
+    async def ours_later() -> None:
+        for compression in compressions:
+            await ours_once(compression, "later")
+
+    # First saves (fresh staging memory), then rounds that interleave the writers: this
+    # disk's speed drifts by 2-3x from one minute to the next (write-back, throttling).
+    asyncio.run(ours_first())
+    dcp_once("first", False)
+    dcp_once("first", True)
+    for _ in range(3):
+        raw_once()
+        asyncio.run(ours_later())
+        torch_once()
+        dcp_once("later", False)
+        dcp_once("later", True)
+
+    def med(name: str) -> float:
+        return statistics.median(results[name])
+
+    raw = med("raw total")
+    say(f"### Saving a {size / MiB:,.0f} MiB {label} state to local disk")
+    say()
+    say(
+        "Medians of 3 interleaved rounds (first saves: one run, fresh staging memory); "
+        "blocking is the time until the call returned, total until the data was on disk."
+    )
+    say()
+    say("| writer | blocking | total | total vs raw write | notes |")
+    say("|---|---:|---:|---:|---|")
+
+    def row(name: str, blocking: float | None, total: float, extra: str = "") -> None:
+        block = f"{blocking:.2f} s" if blocking is not None else ""
+        say(f"| {name} | {block} | {total:.2f} s | {total / raw:.2f}x | {extra} |")
+
+    row("raw write + fsync of the same bytes (the limit)", None, raw)
+    row("torch.save + fsync", med("torch.save total"), med("torch.save total"))
+    for attempt in ("first", "later"):
+        row(f"DCP save ({attempt})", med(f"dcp {attempt} total"), med(f"dcp {attempt} total"))
+    dcp_blocking = med("dcp async later blocking")
+    for attempt in ("first", "later"):
+        row(
+            f"DCP async_save ({attempt})",
+            med(f"dcp async {attempt} blocking"),
+            med(f"dcp async {attempt} total"),
+        )
+    for compression in compressions:
+        for attempt in ("first", "later"):
+            name = f"ours {compression} {attempt}"
+            blocking = med(f"{name} blocking")
+            extra = (
+                f"stored {med(f'{name} ratio'):.2f} of raw; peak extra memory "
+                f"{max(results[f'{name} extra']) / MiB:,.0f} MiB (staging budget "
+                f"{max(results['budget']) / MiB:,.0f} MiB)"
+            )
+            if attempt == "later":
+                extra += f"; blocking {blocking / dcp_blocking:.2f}x DCP async_save's"
+            row(
+                f"asyncstore save, compression={compression!r} ({attempt})",
+                blocking,
+                med(f"{name} total"),
+                extra,
+            )
+    torch_once()  # the file the loads below read
+    summary = {name: med(name) for name in results}
     say()
     say(f"### Loading the {label} state (files in the page cache)")
     say()
@@ -270,12 +314,12 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
         say(
             f"| asyncstore load, {name} | {min(loads[key]):.2f} s | {min(loads[key]) / base:.2f}x |"
         )
-    results["load torch"] = base
-    results["load ours"] = min(loads["none"])
+    summary["load torch"] = base
+    summary["load ours"] = min(loads["none"])
     say()
     for name in ("torch.pt", "ours-None.ckpt", "ours-auto.ckpt"):
         drop(tmp / name)
-    return results
+    return summary
 
 
 def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
@@ -411,7 +455,7 @@ def simulate(state: dict[str, torch.Tensor], tmp: Path, say: Say, steps: int, ev
 
     # Interleaved and repeated: this machine's speed drifts from minute to minute.
     times: dict[str, list[float]] = {"none": [], "torch": [], "ours": []}
-    for _ in range(3):
+    for _ in range(2):
         for name, save in (("none", None), ("torch", with_torch), ("ours", with_ours)):
             settle()
             times[name].append(run(save))
@@ -437,8 +481,8 @@ def simulate(state: dict[str, torch.Tensor], tmp: Path, say: Say, steps: int, ev
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=1024, help="state size in MiB")
-    parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--every", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=800)
+    parser.add_argument("--every", type=int, default=200)
     parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
     args = parser.parse_args()
     lines: list[str] = []

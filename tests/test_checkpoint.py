@@ -590,3 +590,17 @@ def test_pickle_protocol_of_structure_is_plain_pickle(tmp_path: Path) -> None:
 
     assert torch.equal(Reader(io.BytesIO(data)).load()["a"], torch.ones(2))
     assert seen == [("storage", 0, "float32")]
+
+
+def test_staging_is_kept_across_event_loops(tmp_path: Path) -> None:
+    # Scripts often run each save in its own asyncio.run(): the pool outlives the loop.
+    state = {f"w{i}": torch.randn(50_000) for i in range(4)}
+    chunk = 128 * 1024
+
+    async def save_once(name: str) -> None:
+        await (await asyncstore.save(state, tmp_path / name, chunk_bytes=chunk))
+
+    asyncio.run(save_once("a.ckpt"))
+    allocated = staging_pool(chunk).allocated
+    asyncio.run(save_once("b.ckpt"))
+    assert staging_pool(chunk).allocated == allocated > 0

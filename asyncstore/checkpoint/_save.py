@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import fnmatch
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable
@@ -140,18 +141,20 @@ class SaveHandle:
 class StagingPool:
     """Slabs of host memory reused from save to save, under a byte budget.
 
-    Slabs are allocated on demand, up to ``budget`` bytes, and kept: a second save of the
-    same state allocates nothing. Pinned (page-locked) when CUDA is available, so that
-    device-to-host copies run asynchronously at full speed.
+    Slabs are allocated on demand, up to ``budget`` bytes, and kept for the life of the
+    process: a second save of the same state allocates nothing, whichever event loop runs
+    it. Pinned (page-locked) when CUDA is available, so that device-to-host copies run
+    asynchronously at full speed.
     """
 
     def __init__(self, slab_bytes: int, pinned: bool) -> None:
         self.slab_bytes = slab_bytes
         self.pinned = pinned
         self.budget = DEFAULT_STAGING_BYTES
-        self._free: list[torch.Tensor] = []
         self.allocated = 0  # slabs in existence (free or in use)
-        self._returned = asyncio.Event()
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     @property
     def allocated_bytes(self) -> int:
@@ -160,51 +163,82 @@ class StagingPool:
 
     def can_acquire(self) -> bool:
         """Whether :meth:`acquire` would return without waiting."""
-        return bool(self._free) or (self.allocated + 1) * self.slab_bytes <= self.budget
+        with self._lock:
+            return bool(self._free) or (self.allocated + 1) * self.slab_bytes <= self.budget
 
     async def acquire(self) -> torch.Tensor:
         """A free slab; waits while the budget is spent and every slab is in use."""
+        loop = asyncio.get_running_loop()
         while True:
-            if self._free:
-                return self._free.pop()
-            if (self.allocated + 1) * self.slab_bytes <= self.budget:
-                self.allocated += 1
+            with self._lock:
+                if self._free:
+                    return self._free.pop()
+                grow = (self.allocated + 1) * self.slab_bytes <= self.budget
+                if grow:
+                    self.allocated += 1
+                else:
+                    returned: asyncio.Future[None] = loop.create_future()
+                    self._waiters.append((loop, returned))
+            if grow:
                 try:
                     return torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=self.pinned)
                 except BaseException:
-                    self.allocated -= 1
+                    with self._lock:
+                        self.allocated -= 1
                     raise
-            self._returned.clear()
-            await self._returned.wait()
+            try:
+                await returned
+            finally:
+                with self._lock, contextlib.suppress(ValueError):
+                    self._waiters.remove((loop, returned))
 
     def release(self, slab: torch.Tensor) -> None:
         """Give a slab back for the next segment or save."""
-        if self.allocated_bytes > self.budget:
-            self.allocated -= 1  # the budget was lowered: let this one go
-        else:
-            self._free.append(slab)
-        self._returned.set()
+        with self._lock:
+            if self.allocated_bytes > self.budget:
+                self.allocated -= 1  # the budget was lowered: let this one go
+            else:
+                self._free.append(slab)
+            waiters, self._waiters = self._waiters, []
+        for loop, returned in waiters:
+            loop.call_soon_threadsafe(_wake, returned)
 
     def trim(self) -> None:
         """Free every slab not in use (the next save allocates again)."""
-        self.allocated -= len(self._free)
-        self._free.clear()
+        with self._lock:
+            self.allocated -= len(self._free)
+            self._free.clear()
 
 
-_POOLS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[int, bool], StagingPool]]
-_POOLS = weakref.WeakKeyDictionary()
+def _wake(returned: asyncio.Future[None]) -> None:
+    if not returned.done():
+        returned.set_result(None)
+
+
+_POOLS: dict[tuple[int, bool], StagingPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def _forget_pools() -> None:
+    # In a forked child: a lock held by another thread of the parent would never be freed.
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def staging_pool(chunk_bytes: int = DEFAULT_CHUNK_BYTES, pinned: bool | None = None) -> StagingPool:
-    """This event loop's staging pool for ``chunk_bytes`` slabs (created on first use)."""
-    loop = asyncio.get_running_loop()
+    """The process's staging pool for ``chunk_bytes`` slabs (created on first use)."""
     if pinned is None:
         pinned = torch.cuda.is_available()
-    pools = _POOLS.setdefault(loop, {})
-    pool = pools.get((chunk_bytes, pinned))
-    if pool is None:
-        pool = pools[(chunk_bytes, pinned)] = StagingPool(chunk_bytes, pinned)
-    return pool
+    with _POOLS_LOCK:
+        pool = _POOLS.get((chunk_bytes, pinned))
+        if pool is None:
+            pool = _POOLS[(chunk_bytes, pinned)] = StagingPool(chunk_bytes, pinned)
+        return pool
 
 
 def _view(tensor: torch.Tensor, start: int = 0, size: int | None = None) -> memoryview:
