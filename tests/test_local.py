@@ -203,3 +203,10 @@ async def test_clean_up_writes_removes_only_abandoned_temp_files(
     assert [p.name for p in directory.iterdir()] == ["model.bin"]
     assert await local.get("ckpt/model.bin") == b"live"
     assert await local.clean_up_writes("ckpt/other.bin") == 0
+    # Another key whose name ends the same way keeps its abandoned file until it is cleaned.
+    other = directory / ".asyncstore-tmp-0123456789ab-a-model.bin"
+    other.write_bytes(b"left by a killed writer of ckpt/a-model.bin")
+    assert await local.clean_up_writes("ckpt/model.bin") == 0
+    assert other.exists()
+    assert await local.clean_up_writes("ckpt/a-model.bin") == 1
+    assert not other.exists()

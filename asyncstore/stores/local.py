@@ -152,7 +152,14 @@ class LocalStore(BaseStore):
             return 0
         removed = 0
         for entry in names:
-            if not (entry.startswith(_TMP_PREFIX) and entry.endswith(f"-{hint}")):
+            # Exactly the names _TempFile gives for this key: prefix, 12 hex digits, name.
+            if not (
+                entry.startswith(_TMP_PREFIX)
+                and entry[len(_TMP_PREFIX) + 12 :] == f"-{hint}"
+                and all(
+                    c in "0123456789abcdef" for c in entry[len(_TMP_PREFIX) : len(_TMP_PREFIX) + 12]
+                )
+            ):
                 continue
             path = os.path.join(directory, entry)
             try:

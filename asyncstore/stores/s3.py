@@ -533,11 +533,23 @@ class S3Store(BaseStore):
         self._check_open()
         full = self._root + key
 
-        async def listing(client: Any) -> dict[str, Any]:
-            return dict(await client.list_multipart_uploads(Bucket=self._bucket, Prefix=full))
+        uploads: list[str] = []
+        markers: dict[str, str] = {}
+        while True:  # every page: a busy prefix can hold more than 1000 uploads
 
-        page = await self._call(key, "list uploads", listing)
-        uploads = [u["UploadId"] for u in page.get("Uploads", ()) if u.get("Key") == full]
+            async def listing(client: Any, markers: dict[str, str] = markers) -> dict[str, Any]:
+                return dict(
+                    await client.list_multipart_uploads(Bucket=self._bucket, Prefix=full, **markers)
+                )
+
+            page = await self._call(key, "list uploads", listing)
+            uploads += [u["UploadId"] for u in page.get("Uploads", ()) if u.get("Key") == full]
+            if not page.get("IsTruncated"):
+                break
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
         for upload_id in uploads:
 
             async def abort(client: Any, upload_id: str = upload_id) -> None:
