@@ -604,3 +604,22 @@ def test_staging_is_kept_across_event_loops(tmp_path: Path) -> None:
     allocated = staging_pool(chunk).allocated
     asyncio.run(save_once("b.ckpt"))
     assert staging_pool(chunk).allocated == allocated > 0
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_byte_shuffle_matches_its_definition(width: int) -> None:
+    from asyncstore.checkpoint import _format as fmt
+
+    rng = random.Random(width)
+    for size in (0, 1, width - 1, width, width + 1, 1000, 4099, 65_536 + 3):
+        data = rng.randbytes(size)
+        shuffled = fmt.shuffle(memoryview(bytearray(data)), width)
+        whole = size - size % width
+        # Byte k of every element, for k = 0 .. width-1; then the tail as it was.
+        assert (
+            bytes(shuffled)
+            == b"".join(data[:whole][k::width] for k in range(width)) + (data[whole:])
+        )
+        restored = bytearray(size)
+        fmt.unshuffle(shuffled, width, memoryview(restored))
+        assert bytes(restored) == data

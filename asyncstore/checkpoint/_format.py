@@ -170,7 +170,7 @@ def digest_of(manifest: Manifest) -> int:
 # -- codecs ----------------------------------------------------------------------------------
 
 
-def shuffle(data: memoryview, width: int) -> bytearray:
+def shuffle(data: memoryview | bytearray, width: int) -> bytearray:
     """Group the bytes of ``width``-byte elements by position: all first bytes, then all
     second bytes…; exponents and signs of floats then sit together and compress well.
     A tail shorter than an element is kept as it is."""
@@ -179,11 +179,43 @@ def shuffle(data: memoryview, width: int) -> bytearray:
     out = bytearray(len(data))
     whole = len(data) - len(data) % width
     if whole:
-        elements = torch.frombuffer(data, dtype=torch.uint8, count=whole).view(-1, width)
-        grouped = torch.frombuffer(out, dtype=torch.uint8, count=whole).view(width, -1)
-        grouped.copy_(elements.t())
+        target = torch.frombuffer(out, dtype=torch.uint8, count=whole)
+        if width == 2:
+            _split2(torch.frombuffer(data, dtype=torch.int16, count=whole // 2), target)
+        elif width == 4:
+            # Two 16-bit halves first, then the bytes of each: element-wise operations,
+            # several times faster than a transposing copy with so narrow a row.
+            words = torch.frombuffer(data, dtype=torch.int32, count=whole // 4)
+            halves = torch.empty(whole // 2, dtype=torch.int16)
+            count = whole // 4
+            halves[:count].copy_(torch.bitwise_and(words, 0xFFFF))
+            halves[count:].copy_(torch.bitwise_and(torch.bitwise_right_shift(words, 16), 0xFFFF))
+            _split2(halves[:count], target[: whole // 2])
+            _split2(halves[count:], target[whole // 2 :])
+        else:
+            elements = torch.frombuffer(data, dtype=torch.uint8, count=whole).view(-1, width)
+            target.view(width, -1).copy_(elements.t())
     out[whole:] = data[whole:]
     return out
+
+
+def _split2(words: Any, out: Any) -> None:
+    # 16-bit words -> their low bytes, then their high bytes.
+    import torch
+
+    count = words.numel()
+    out[:count].copy_(torch.bitwise_and(words, 0xFF))
+    out[count:].copy_(torch.bitwise_and(torch.bitwise_right_shift(words, 8), 0xFF))
+
+
+def _join2(planes: Any) -> Any:
+    # Low bytes then high bytes -> 16-bit words (the inverse of _split2).
+    import torch
+
+    count = planes.numel() // 2
+    low = planes[:count].to(torch.int16)
+    high = planes[count:].to(torch.int16)
+    return torch.bitwise_or(low, torch.bitwise_left_shift(high, 8))
 
 
 def unshuffle(data: bytearray, width: int, out: memoryview) -> None:
@@ -192,9 +224,17 @@ def unshuffle(data: bytearray, width: int, out: memoryview) -> None:
 
     whole = len(data) - len(data) % width
     if whole:
-        grouped = torch.frombuffer(data, dtype=torch.uint8, count=whole).view(width, -1)
-        elements = torch.frombuffer(out, dtype=torch.uint8, count=whole).view(-1, width)
-        elements.copy_(grouped.t())
+        planes = torch.frombuffer(data, dtype=torch.uint8, count=whole)
+        if width == 2:
+            torch.frombuffer(out, dtype=torch.int16, count=whole // 2).copy_(_join2(planes))
+        elif width == 4:
+            low = torch.bitwise_and(_join2(planes[: whole // 2]).to(torch.int32), 0xFFFF)
+            high = torch.bitwise_left_shift(_join2(planes[whole // 2 :]).to(torch.int32), 16)
+            words = torch.frombuffer(out, dtype=torch.int32, count=whole // 4)
+            words.copy_(torch.bitwise_or(low, high))
+        else:
+            elements = torch.frombuffer(out, dtype=torch.uint8, count=whole).view(-1, width)
+            elements.copy_(planes.view(width, -1).t())
     out[whole : len(data)] = data[whole:]
 
 

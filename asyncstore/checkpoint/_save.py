@@ -312,9 +312,12 @@ class _Decisions:
             return known
         # "auto": probe the first chunk we meet of this storage.
         sample = data[: min(len(data), _PROBE)]
-        started = time.perf_counter()
+        # CPU time of this thread, not wall time: the question is how fast a core encodes,
+        # and a busy machine (a training step, another save) would otherwise make zstd look
+        # slow and flip the decision from run to run.
+        started = time.thread_time()
         ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
-        speed = len(sample) / max(time.perf_counter() - started, 1e-9)
+        speed = len(sample) / max(time.thread_time() - started, 1e-6)
         keeps_up = self.bandwidth is None or speed * _ENCODERS >= 1.1 * self.bandwidth
         decision = codec if ratio <= _WORTH and keeps_up else "raw"
         self._codecs[storage.id] = decision
