@@ -81,7 +81,7 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
     victim.communicate(timeout=30)
     # A temp file as a killed writer leaves it (its pid is gone), to be cleaned up.
     shard = cache / "00"
-    shard.mkdir(exist_ok=True)
+    shard.mkdir(parents=True, exist_ok=True)  # the workers may not have made it yet
     (shard / f".tmp-{victim.pid}-deadbeefcafe").write_bytes(b"partial")
     late = [spawn(dataset, cache, budget, seed=s, rounds=300) for s in range(10, 12)]
     for proc in workers + late:

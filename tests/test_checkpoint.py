@@ -623,3 +623,75 @@ def test_byte_shuffle_matches_its_definition(width: int) -> None:
         restored = bytearray(size)
         fmt.unshuffle(shuffled, width, memoryview(restored))
         assert bytes(restored) == data
+
+
+class FailingFile(io.RawIOBase):
+    """A file whose writes fail after a few, as a full disk does."""
+
+    def __init__(self, good_writes: int) -> None:
+        self.writes = 0
+        self.good_writes = good_writes
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.writes += 1
+        if self.writes > self.good_writes:
+            raise OSError("No space left on device")
+        return len(memoryview(data))
+
+
+async def test_failed_saves_give_their_staging_back() -> None:
+    # Writes failing while the snapshot still needs slabs: every slab must come back, or
+    # later saves with the same pool would wait for ever.
+    state = {f"t{i}": torch.randn(1024) for i in range(64)}  # 64 x 4 KiB, 2 slabs of budget
+    options: dict[str, Any] = {"chunk_bytes": 4096, "staging_bytes": 8192, "compression": None}
+
+    async def save(target: Any) -> None:
+        await (await asyncstore.save(state, target, **options))
+
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left"):
+            await asyncio.wait_for(save(FailingFile(3)), 30)
+    pool = staging_pool(4096)
+    assert len(pool._free) == pool.allocated
+    target = io.BytesIO()
+    await asyncio.wait_for(save(target), 30)
+    target.seek(0)
+    assert_same(state, await asyncstore.load(target))
+
+
+async def test_many_small_tensors_load_from_a_local_file(tmp_path: Path) -> None:
+    # More chunks in one span than one preadv call takes (1024 on Linux).
+    state = {f"t{i}": torch.full((16,), float(i)) for i in range(1100)}
+    await (await asyncstore.save(state, tmp_path / "many.ckpt", compression=None))
+    assert_same(state, await asyncstore.load(tmp_path / "many.ckpt"))
+
+
+async def test_into_loads_non_tensor_entries_whole(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.ones(2)}, "step": torch.tensor(5), "w": torch.full((2,), 3.0)}
+    await (await asyncstore.save(state, tmp_path / "mixed.ckpt"))
+    into: dict[str, Any] = {"model": None, "step": 0, "w": torch.zeros(2)}
+    await asyncstore.load(tmp_path / "mixed.ckpt", into=into)
+    assert into["model"]["w"].device.type == "cpu"
+    assert torch.equal(into["model"]["w"], torch.ones(2))
+    assert int(into["step"]) == 5
+    assert torch.equal(into["w"], torch.full((2,), 3.0))
+    with pytest.raises(InvalidArgument, match="is a tensor, but"):
+        await asyncstore.load(tmp_path / "mixed.ckpt", into={"model": torch.zeros(2)})
+
+
+class HookedParameter:
+    """Pickles as a parameter carrying a backward hook, as a crafted file could."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        hooks = OrderedDict({0: bytearray})
+        return (torch._utils._rebuild_parameter, (torch.ones(1), True, hooks))
+
+
+async def test_backward_hooks_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "hooked.ckpt"
+    await (await asyncstore.save({"p": HookedParameter()}, path))
+    with pytest.raises(UnsafeCheckpoint, match="backward hooks"):
+        await asyncstore.load(path)

@@ -8,7 +8,6 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
-import anyio
 import torch
 import xxhash
 
@@ -17,6 +16,7 @@ from . import _format as fmt
 from ._pickle import PlainUnpickler, RestrictedUnpickler, dtype_of
 from ._save import _view
 from ._target import FileSource, Source, StoreSource, resolve
+from ._threads import run_thread, shielded
 
 __all__ = ["load", "read_manifest"]
 
@@ -79,6 +79,9 @@ async def _read_manifest(source: Source) -> fmt.Manifest | None:
     return fmt.decode_manifest(data, footer, source.url)
 
 
+# Buffers one preadv call may take (Linux: 1024).
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+
 # Consecutive chunks are read together up to this many bytes: one read and one thread hop
 # per span rather than per chunk (a model has hundreds of small tensors).
 _SPAN = 32 * 1024 * 1024
@@ -97,8 +100,8 @@ class _Reader:
     def __init__(self, source: Source, manifest: fmt.Manifest) -> None:
         self.source = source
         self.manifest = manifest
-        self.reads = anyio.CapacityLimiter(_READS)
-        self.decoders = anyio.CapacityLimiter(max(1, min(4, os.cpu_count() or 1)))
+        self.reads = asyncio.Semaphore(_READS)
+        self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
         self._fd: int | None = None
 
     def close(self) -> None:
@@ -148,7 +151,7 @@ class _Reader:
             buffers = [t.out for t in span]
             position = start
             while buffers:
-                got = os.preadv(self._fd, buffers, position)
+                got = os.preadv(self._fd, buffers[:_IOV_MAX], position)
                 if got == 0:
                     raise IntegrityError(
                         f"{self.source.url} ends at byte {position}, before its chunks do"
@@ -175,13 +178,11 @@ class _Reader:
         start = span[0].chunk.offset
         end = span[-1].chunk.offset + span[-1].chunk.stored
         if self.source.local_path is not None:
-            await anyio.to_thread.run_sync(
-                self._read_local, start, end, span, limiter=self.decoders
-            )
+            await run_thread(self._read_local, start, end, span, limiter=self.decoders)
             return
         async with self.reads:
             data = await self.source.read(start, end)
-        await anyio.to_thread.run_sync(self._decode_span, data, start, span, limiter=self.decoders)
+        await run_thread(self._decode_span, data, start, span, limiter=self.decoders)
 
     async def read(self, targets: list[_Target]) -> None:
         """Read and verify every target, consecutive chunks together."""
@@ -243,7 +244,8 @@ async def _gather(jobs: list[Any]) -> None:
     except BaseException:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Each ends only when its thread is done with the tensors it fills (run_thread).
+        await shielded(asyncio.gather(*tasks, return_exceptions=True))
         raise
 
 
@@ -378,9 +380,18 @@ async def _load(
         needed = {sid for k in wanted for sid in manifest.entries[k]}
     structure = await reader.structure()
     storages: dict[int, torch.UntypedStorage] = {}
-    if into is None:
-        for sid, storage in (await reader.storages([by_id[i] for i in sorted(needed)])).items():
-            storages[sid] = _to(storage, _device_for(by_id[sid].location, map_location))
+    if into is not None:
+        # Tensors of into= are filled in place, one storage at a time, later; entries that
+        # replace non-tensor values (a nested dict, a step count) are loaded as keys= does.
+        assert manifest.entries is not None
+        needed = {
+            sid
+            for key, value in into.items()
+            if not isinstance(value, torch.Tensor)
+            for sid in manifest.entries[key]
+        }
+    for sid, storage in (await reader.storages([by_id[i] for i in sorted(needed)])).items():
+        storages[sid] = _to(storage, _device_for(by_id[sid].location, map_location))
     meta: dict[int, int] = {}  # meta storage's C pointer -> storage id (for into=)
 
     def persistent_load(pid: Any) -> Any:
@@ -429,9 +440,19 @@ async def _fill(
     # One storage at a time: read it, copy its tensors into place, let it go.
     users: dict[int, list[str]] = {}
     for key in into:
-        loaded = obj[key]
-        if _tensor_pair(key, loaded, into[key]):
-            users.setdefault(meta[loaded.untyped_storage()._cdata], []).append(key)
+        loaded, target = obj[key], into[key]
+        if _tensor_pair(key, loaded, target):
+            sid = meta.get(loaded.untyped_storage()._cdata)
+            if sid is None:  # already read (it is shared with an entry loaded whole)
+                with torch.no_grad():
+                    target.copy_(loaded)
+            else:
+                users.setdefault(sid, []).append(key)
+        elif isinstance(target, torch.Tensor):
+            raise InvalidArgument(
+                f"into[{key!r}] is a tensor, but the checkpoint holds a "
+                f"{type(loaded).__name__} there"
+            )
         else:
             into[key] = loaded
     for sid, names in users.items():
@@ -496,13 +517,13 @@ async def _load_torch(
 
     try:
         if src.local_path is not None:
-            obj = await anyio.to_thread.run_sync(run, src.local_path)
+            obj = await run_thread(run, src.local_path)
         elif isinstance(src, FileSource):
             src.rewind()
-            obj = await anyio.to_thread.run_sync(run, src._file)
+            obj = await run_thread(run, src._file)
         else:
             data = await src.read(0, await src.size())
-            obj = await anyio.to_thread.run_sync(run, io.BytesIO(data))
+            obj = await run_thread(run, io.BytesIO(data))
     except Exception as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
             raise UnsafeCheckpoint(

@@ -140,22 +140,33 @@ def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:
 # -- loading ---------------------------------------------------------------------------------
 
 
+def _no_hooks(rebuild: Callable[..., Any], position: int) -> Callable[..., Any]:
+    """``rebuild``, refusing backward hooks: a crafted file could otherwise attach an
+    allowed callable that runs later, during ``backward()``."""
+
+    def checked(*args: Any) -> Any:
+        if len(args) > position and args[position]:
+            raise UnsafeCheckpoint(
+                "the checkpoint attaches backward hooks to a tensor, which weights_only=True "
+                "does not load; pass weights_only=False only if you trust its source"
+            )
+        return rebuild(*args)
+
+    return checked
+
+
 def _allowed() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {
         ("collections", "OrderedDict"): collections.OrderedDict,
-        ("collections", "defaultdict"): collections.defaultdict,
         ("builtins", "set"): builtins.set,
         ("builtins", "frozenset"): builtins.frozenset,
         ("builtins", "complex"): builtins.complex,
         ("builtins", "slice"): builtins.slice,
         ("builtins", "range"): builtins.range,
         ("builtins", "bytearray"): builtins.bytearray,
-        ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): torch._utils._rebuild_tensor_v3,
-        ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
-        ("torch._utils", "_rebuild_parameter_with_state"): (
-            torch._utils._rebuild_parameter_with_state
-        ),
+        ("torch._utils", "_rebuild_tensor_v2"): _no_hooks(torch._utils._rebuild_tensor_v2, 5),
+        ("torch._utils", "_rebuild_tensor_v3"): _no_hooks(torch._utils._rebuild_tensor_v3, 5),
+        ("torch._utils", "_rebuild_parameter"): _no_hooks(torch._utils._rebuild_parameter, 2),
         ("torch", "Size"): torch.Size,
         ("torch", "device"): torch.device,
         ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,

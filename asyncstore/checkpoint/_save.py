@@ -24,7 +24,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
-import anyio
 import msgspec
 import torch
 import xxhash
@@ -34,6 +33,7 @@ from ..stores import LocalStore, S3Store
 from . import _format as fmt
 from ._pickle import SavedStorage, dtype_name, pickle_structure
 from ._target import FileSink, Sink, StoreSink, resolve
+from ._threads import run_thread, shielded
 
 __all__ = ["save", "SaveHandle", "SaveResult", "StagingPool", "staging_pool"]
 
@@ -347,8 +347,10 @@ class _SaveJob:
         self.queue: asyncio.Queue[asyncio.Future[tuple[_Segment, list[_Encoded]]] | None] = (
             asyncio.Queue()
         )
-        self.encoders = anyio.CapacityLimiter(_ENCODERS)
-        self.copier = anyio.CapacityLimiter(1)
+        self.encoders = asyncio.Semaphore(_ENCODERS)
+        self.copier = asyncio.Semaphore(1)
+        self.started = False  # the writer task began (its cleanup will run)
+        self.snapshot_done = False
         self.chunks: dict[int, list[fmt.Chunk]] = {s.id: [] for s in storages}
         self.held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
         self.tasks: list[asyncio.Future[tuple[_Segment, list[_Encoded]]]] = []
@@ -389,6 +391,7 @@ class _SaveJob:
             # The caller's later kernels wait for our copies; its thread does not.
             torch.cuda.current_stream(index).wait_stream(stream)
         self.snapshot_seconds = time.perf_counter() - started
+        self.snapshot_done = True
         self.gate.set()
         await self.queue.put(None)
 
@@ -408,9 +411,10 @@ class _SaveJob:
                 await asyncio.gather(acquire, return_exceptions=True)
         if not acquire.cancelled() and acquire.exception() is None:
             slab = acquire.result()
-            self.held[id(slab)] = slab
             if self.writer is None or not self.writer.done():
+                self.held[id(slab)] = slab
                 return _Segment(slab)
+            self.pool.release(slab)  # the writer failed: nobody will write this one
         assert self.writer is not None
         assert self.writer.done()
         self.writer.result()  # raises the writer's error
@@ -429,7 +433,7 @@ class _SaveJob:
             self._copy_cuda(segment)
         else:
             # One thread hop per segment; torch's copy releases the GIL.
-            await anyio.to_thread.run_sync(self._copy, segment, False, limiter=self.copier)
+            await run_thread(self._copy, segment, False, limiter=self.copier)
         task = asyncio.ensure_future(self._encode(segment))
         self.tasks.append(task)
         await self.queue.put(task)
@@ -467,7 +471,7 @@ class _SaveJob:
         # taken (so that the copies have the CPU and memory bandwidth to themselves), or
         # as soon as the pool runs dry and slabs must be written to come back.
         await self.gate.wait()
-        encoded = await anyio.to_thread.run_sync(self._encode_sync, segment, limiter=self.encoders)
+        encoded = await run_thread(self._encode_sync, segment, limiter=self.encoders)
         return segment, encoded
 
     def _encode_sync(self, segment: _Segment) -> list[_Encoded]:
@@ -746,43 +750,55 @@ async def save(
         decisions.bandwidth = _BANDWIDTH.get(key, assumed)
         job = _SaveJob(sink, structure, storages, entries, meta, pool, decisions, key)
     except BaseException as exc:
-        await _fail(None, sink, exc)
-        await resolved.aclose()
-        lock.release()
+        await shielded(_fail(None, sink, exc))
+        await shielded(_release(resolved, lock))
         raise
 
     async def run() -> SaveResult:
         # Owns the save from here: whatever ends it (error, cancellation of the handle),
         # nothing is committed unless every byte was written, and the target is released.
+        job.started = True
         try:
             return await job.write_all(started)
         except BaseException as exc:
-            await _fail(job, sink, exc)
+            await shielded(_fail(job, sink, exc))
             raise
         finally:
-            await resolved.aclose()
-            lock.release()
+            await shielded(_release(resolved, lock))
 
     writer = job.writer = asyncio.ensure_future(run())
-    await asyncio.sleep(0)  # let it start, so that cancelling it always runs its cleanup
     try:
+        await asyncio.sleep(0)  # let it start, so that cancelling it runs its cleanup
         await job.snapshot()
-    except BaseException:
+    except BaseException as exc:
+        job.snapshot_done = True  # the snapshot stopped: its slabs may go back
         writer.cancel()
-        await asyncio.gather(writer, return_exceptions=True)
+        await shielded(asyncio.gather(writer, return_exceptions=True))
+        if not job.started:  # cancelled before its first step: its cleanup never ran
+            await shielded(_fail(job, sink, exc))
+            await shielded(_release(resolved, lock))
+        else:
+            await shielded(_fail(job, None, exc))  # tasks queued after the writer failed
         raise
     return SaveHandle(writer, resolved.url)
 
 
+async def _release(resolved: Any, lock: asyncio.Lock) -> None:
+    try:
+        await resolved.aclose()
+    finally:
+        lock.release()
+
+
 async def _fail(job: _SaveJob | None, sink: Sink | None, exc: BaseException) -> None:
-    # Stop everything, then make sure nothing was committed (shielded: a cancellation is
-    # usually why we are here, and must not stop the cleanup halfway).
-    with anyio.CancelScope(shield=True):
-        if job is not None:
-            for task in job.tasks:
-                task.cancel()
-            await asyncio.gather(*job.tasks, return_exceptions=True)
-            job.release_all()  # every encoder thread has finished with its slab
-        if sink is not None:
-            with contextlib.suppress(Exception):  # the original error is the one to report
-                await sink.abort(exc)
+    # Stop everything, then make sure nothing was committed.
+    if job is not None:
+        for task in job.tasks:
+            task.cancel()
+        # Each task ends only once its thread is done with its slab (run_thread).
+        await asyncio.gather(*job.tasks, return_exceptions=True)
+        if job.snapshot_done:
+            job.release_all()  # otherwise the snapshot, still copying, releases them
+    if sink is not None:
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            await sink.abort(exc)

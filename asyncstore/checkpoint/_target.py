@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from typing import IO, Any
 
-import anyio
-
 from ..errors import InvalidArgument, NotFound
 from ..stores import LocalStore, Store, Writer, open_store
 from ..stores._keys import check_key
+from ._threads import run_thread
 
 __all__ = ["Target", "resolve", "Sink", "Source"]
 
@@ -142,19 +142,31 @@ class StoreSink(Sink):
         await self._writer.__aexit__(type(exc), exc, exc.__traceback__)
 
 
+def _write_fully(file: IO[bytes], data: memoryview | bytes | bytearray) -> None:
+    # A raw file object may write less than asked (and say so): loop until all is down.
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = file.write(view)
+        if written is None:
+            written = len(view)  # a buffered writer takes everything or raises
+        if not written:
+            raise OSError(f"{file!r} accepted no bytes")
+        view = view[written:]
+
+
 class FileSink(Sink):
     """Writes into a binary file object the caller owns (in a thread; no atomicity)."""
 
     def __init__(self, file: IO[bytes]) -> None:
         self.url = f"<file object {getattr(file, 'name', type(file).__name__)!r}>"
         self._file = file
-        self._limiter = anyio.CapacityLimiter(1)
+        self._limiter = asyncio.Semaphore(1)
 
     async def write(self, data: memoryview | bytes | bytearray) -> None:
-        await anyio.to_thread.run_sync(self._file.write, data, limiter=self._limiter)
+        await run_thread(_write_fully, self._file, data, limiter=self._limiter)
 
     async def commit(self) -> None:
-        await anyio.to_thread.run_sync(self._file.flush, limiter=self._limiter)
+        await run_thread(self._file.flush, limiter=self._limiter)
 
     async def abort(self, exc: BaseException) -> None:
         return None  # the caller's file: what was written stays, as with torch.save
@@ -186,7 +198,7 @@ class FileSource(Source):
                 end = self._file.seek(0, os.SEEK_END)
                 return end - self._start
 
-        return await anyio.to_thread.run_sync(measure)
+        return await run_thread(measure)
 
     async def read(self, start: int, end: int) -> bytes:
         def read() -> bytes:
@@ -197,7 +209,7 @@ class FileSource(Source):
                 raise NotFound(f"{self.url} ended before byte {end}")
             return data
 
-        return await anyio.to_thread.run_sync(read)
+        return await run_thread(read)
 
     def rewind(self) -> None:
         self._file.seek(self._start)
