@@ -695,3 +695,58 @@ async def test_backward_hooks_are_refused(tmp_path: Path) -> None:
     await (await asyncstore.save({"p": HookedParameter()}, path))
     with pytest.raises(UnsafeCheckpoint, match="backward hooks"):
         await asyncstore.load(path)
+
+
+def rewrite_manifest(blob: bytes, edit: Any) -> bytes:
+    """The checkpoint with its manifest edited and every checksum over it redone."""
+    import msgspec
+    import xxhash
+
+    from asyncstore.checkpoint import _format as fmt
+
+    footer = fmt.decode_footer(blob[-fmt.FOOTER_SIZE :], "test")
+    assert footer is not None
+    start, end = footer.manifest_offset, footer.manifest_offset + footer.manifest_length
+    manifest = edit(fmt._manifest_decoder.decode(blob[start:end]))
+    manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
+    encoded = fmt.encode_manifest(manifest)
+    new_footer = fmt.Footer(1, 0, start, len(encoded), xxhash.xxh3_64_intdigest(encoded))
+    return blob[:start] + encoded + fmt.encode_footer(new_footer)
+
+
+async def test_forged_manifests_are_integrity_errors() -> None:
+    # Checksums over a manifest can be recomputed by whoever forges one: the loader checks
+    # that it describes the object consistently before allocating or reading anything.
+    import msgspec
+
+    replace = msgspec.structs.replace
+
+    def storage(**changes: Any) -> Any:
+        return lambda m: replace(m, storages=[replace(m.storages[0], **changes)])
+
+    def chunk(**changes: Any) -> Any:
+        def edit(m: Any) -> Any:
+            first = m.storages[0]
+            chunks = [replace(first.chunks[0], **changes)]
+            return replace(m, storages=[replace(first, chunks=chunks)])
+
+        return edit
+
+    edits = [
+        storage(nbytes=-8),
+        storage(nbytes=12),
+        storage(location="no-such-device"),
+        chunk(offset=-100),
+        chunk(offset=10**12),
+        chunk(raw=-16),
+        chunk(codec="lz4"),
+        lambda m: replace(m, structure=replace(m.structure, raw=-1)),
+        lambda m: replace(m, entries={"a": [99]}),
+    ]
+    async with asyncstore.open_store(f"memory://{unique()}") as store:
+        await (await asyncstore.save({"a": torch.arange(4.0)}, (store, "good"), compression=None))
+        good = await store.get("good")
+        for edit in edits:
+            await store.put("forged", rewrite_manifest(good, edit))
+            with pytest.raises(IntegrityError):
+                await asyncstore.load((store, "forged"))

@@ -157,7 +157,38 @@ def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
         )
     if digest_of(manifest) != manifest.digest:
         raise IntegrityError(f"{where}: the checkpoint's chunk digest does not match")
+    _check_layout(manifest, footer.manifest_offset, where)
     return manifest
+
+
+def _check_layout(manifest: Manifest, end: int, where: str) -> None:
+    # A manifest's checksum says it was not damaged, not that it was written by us: check
+    # that everything it points to lies inside the object and adds up, before anything is
+    # allocated or read from it.
+    def chunk_ok(chunk: Chunk, what: str) -> None:
+        if (
+            chunk.codec not in CODECS
+            or min(chunk.offset, chunk.stored, chunk.raw) < 0
+            or chunk.offset < len(MAGIC)
+            or chunk.offset + chunk.stored > end
+            or (chunk.codec == "raw" and chunk.stored != chunk.raw)
+        ):
+            raise IntegrityError(f"{where}: the manifest describes {what} impossibly")
+
+    chunk_ok(manifest.structure, "the pickled structure")
+    ids = set()
+    for storage in manifest.storages:
+        what = f"tensor {storage.name!r}"
+        if storage.id < 0 or storage.id in ids or storage.nbytes < 0:
+            raise IntegrityError(f"{where}: the manifest describes {what} impossibly")
+        ids.add(storage.id)
+        for chunk in storage.chunks:
+            chunk_ok(chunk, what)
+        if sum(chunk.raw for chunk in storage.chunks) != storage.nbytes:
+            raise IntegrityError(f"{where}: the chunks of {what} do not add up to its size")
+    for key, used in (manifest.entries or {}).items():
+        if not set(used) <= ids:
+            raise IntegrityError(f"{where}: entry {key!r} names storages the manifest lacks")
 
 
 def digest_of(manifest: Manifest) -> int:

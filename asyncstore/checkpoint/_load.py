@@ -261,7 +261,12 @@ def _device_for(location: str, map_location: Any) -> torch.device:
             f"map_location={map_location!r}: pass a device ('cpu', 'cuda:0'), a torch.device "
             "or a dict from saved to target locations"
         )
-    device = torch.device(target)
+    try:
+        device = torch.device(target)
+    except RuntimeError:
+        raise IntegrityError(
+            f"the checkpoint names a device {target!r} that does not exist"
+        ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument(
             f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
