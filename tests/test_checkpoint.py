@@ -750,3 +750,19 @@ async def test_forged_manifests_are_integrity_errors() -> None:
             await store.put("forged", rewrite_manifest(good, edit))
             with pytest.raises(IntegrityError):
                 await asyncstore.load((store, "forged"))
+
+
+def test_giving_a_slab_back_survives_a_closed_waiting_loop() -> None:
+    from asyncstore.checkpoint import StagingPool
+
+    pool = StagingPool(4096, pinned=False)
+    pool.set_budget(4096)
+    slab = asyncio.run(pool.acquire())  # the whole budget, in use
+    loop = asyncio.new_event_loop()
+    waiting = loop.create_task(pool.acquire())
+    loop.run_until_complete(asyncio.sleep(0.01))  # it now waits for a slab
+    loop.close()  # closed without cancelling it
+    pool.release(slab)  # must not raise into the save giving it back
+    assert len(pool._free) == 1
+    assert not waiting.done()
+    waiting._log_destroy_pending = False  # type: ignore[attr-defined]  # abandoned on purpose

@@ -161,6 +161,11 @@ class StagingPool:
         """Bytes of slabs in existence (free or in use)."""
         return self.allocated * self.slab_bytes
 
+    def set_budget(self, budget: int) -> None:
+        """Change the byte budget (saves running at once share the latest one)."""
+        with self._lock:
+            self.budget = budget
+
     def can_acquire(self) -> bool:
         """Whether :meth:`acquire` would return without waiting."""
         with self._lock:
@@ -201,7 +206,10 @@ class StagingPool:
                 self._free.append(slab)
             waiters, self._waiters = self._waiters, []
         for loop, returned in waiters:
-            loop.call_soon_threadsafe(_wake, returned)
+            # A loop closed without cancelling its tasks cannot be woken; skip it rather
+            # than fail the save that is giving its slab back.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_wake, returned)
 
     def trim(self) -> None:
         """Free every slab not in use (the next save allocates again)."""
@@ -729,7 +737,7 @@ async def save(
     try:
         structure, storages, entries = pickle_structure(obj)
         pool = staging_pool(chunk_bytes)
-        pool.budget = staging_bytes
+        pool.set_budget(staging_bytes)
         if resolved.file is not None:
             sink = FileSink(resolved.file)
         else:
