@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from _baselines import aiobotocore_client, multipart_put
 from _report import machine, record
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -342,47 +343,9 @@ def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
 
         async def handwritten(key: str) -> float:
             # The baseline: one aiobotocore client, 16 MiB parts, 4 in flight.
-            from aiobotocore.config import AioConfig
-            from aiobotocore.session import get_session
-
-            config = AioConfig(
-                max_pool_connections=8,
-                s3={"addressing_style": "path"},
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            )
             started = time.perf_counter()
-            async with get_session().create_client(
-                "s3",
-                endpoint_url=server.endpoint_url,
-                region_name=server.region,
-                aws_access_key_id=server.access_key,
-                aws_secret_access_key=server.secret_key,
-                config=config,
-            ) as client:
-                upload = await client.create_multipart_upload(Bucket=BUCKET, Key=key)
-                limit = asyncio.Semaphore(4)
-
-                async def part(number: int, start: int) -> dict[str, Any]:
-                    async with limit:
-                        resp = await client.upload_part(
-                            Bucket=BUCKET,
-                            Key=key,
-                            UploadId=upload["UploadId"],
-                            PartNumber=number,
-                            Body=bytes(payload[start : start + 16 * MiB]),
-                        )
-                    return {"PartNumber": number, "ETag": resp["ETag"]}
-
-                parts = await asyncio.gather(
-                    *(part(i + 1, s) for i, s in enumerate(range(0, size, 16 * MiB)))
-                )
-                await client.complete_multipart_upload(
-                    Bucket=BUCKET,
-                    Key=key,
-                    UploadId=upload["UploadId"],
-                    MultipartUpload={"Parts": list(parts)},
-                )
+            async with aiobotocore_client(server, 8) as client:
+                await multipart_put(client, BUCKET, key, payload, 16 * MiB, 4)
             return time.perf_counter() - started
 
         async def ours(key: str, compression: Compression) -> tuple[float, float]:

@@ -21,10 +21,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import aiobotocore
 import botocore
+from _baselines import aiobotocore_client, multipart_put
 from _report import machine, record
 
 import asyncstore
@@ -89,51 +89,10 @@ async def aiobotocore_large(
     server: SeaweedFS, key: str, data: bytes, put_inflight: int, get_inflight: int
 ) -> tuple[float, float]:
     """A careful hand-written loop: what a user would write without asyncstore."""
-    import io
-
-    from aiobotocore.config import AioConfig
-    from aiobotocore.session import get_session
-
-    config = AioConfig(
-        max_pool_connections=max(put_inflight, get_inflight) + 4,
-        s3={"addressing_style": "path"},
-        retries={"total_max_attempts": 1},
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    async with get_session().create_client(
-        "s3",
-        endpoint_url=server.endpoint_url,
-        region_name=server.region,
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        config=config,
-    ) as client:
+    async with aiobotocore_client(server, max(put_inflight, get_inflight) + 4) as client:
 
         async def put() -> None:
-            upload = await client.create_multipart_upload(Bucket=BUCKET, Key=key)
-            limit = asyncio.Semaphore(put_inflight)
-
-            async def part(number: int, offset: int) -> dict[str, Any]:
-                async with limit:
-                    resp = await client.upload_part(
-                        Bucket=BUCKET,
-                        Key=key,
-                        UploadId=upload["UploadId"],
-                        PartNumber=number,
-                        Body=io.BytesIO(data[offset : offset + PART]),
-                    )
-                    return {"PartNumber": number, "ETag": resp["ETag"]}
-
-            parts = await asyncio.gather(
-                *(part(n + 1, off) for n, off in enumerate(range(0, len(data), PART)))
-            )
-            await client.complete_multipart_upload(
-                Bucket=BUCKET,
-                Key=key,
-                UploadId=upload["UploadId"],
-                MultipartUpload={"Parts": list(parts)},
-            )
+            await multipart_put(client, BUCKET, key, data, PART, put_inflight)
 
         async def get() -> None:
             limit = asyncio.Semaphore(get_inflight)

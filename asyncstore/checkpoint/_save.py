@@ -302,7 +302,6 @@ class _Decisions:
     def __init__(self, compression: str | None, level: int, exclude: tuple[str, ...]) -> None:
         self.compression, self.level, self.exclude = compression, level, exclude
         self._codecs: dict[int, str] = {}
-        self._decided: dict[int, Any] = {}
         self.bandwidth: float | None = None
 
     def codec_for(self, piece: _Piece, data: memoryview) -> str:
@@ -311,7 +310,7 @@ class _Decisions:
             return "raw"
         if any(fnmatch.fnmatchcase(storage.name, pattern) for pattern in self.exclude):
             return "raw"
-        width = torch.empty(0, dtype=storage.dtype).element_size()
+        width = storage.dtype.itemsize
         codec = f"zstd+shuffle{width}" if width in (2, 4) else "zstd"
         if self.compression == "zstd":
             return codec
