@@ -22,6 +22,11 @@ class Sink:
 
     url: str
 
+    @property
+    def direct_bytes(self) -> int:
+        """Bytes a local file took around the page cache, without a copy."""
+        return 0
+
     async def write(self, data: memoryview | bytes | bytearray) -> None:
         raise NotImplementedError
 
@@ -127,10 +132,20 @@ class StoreSink(Sink):
 
     def __init__(self, store: Store, key: str) -> None:
         self.url = f"{store.url}/{key}"
-        self._writer: Writer = store.open_writer(key)
+        # A checkpoint is large and written once: a local file takes it around the page
+        # cache (see LocalStore.open_writer).
+        self._writer: Writer = (
+            store.open_writer(key, direct=True)
+            if isinstance(store, LocalStore)
+            else store.open_writer(key)
+        )
 
     async def open(self) -> None:
         await self._writer.__aenter__()
+
+    @property
+    def direct_bytes(self) -> int:
+        return int(getattr(self._writer, "direct_bytes", 0))
 
     async def write(self, data: memoryview | bytes | bytearray) -> None:
         await self._writer.write(data)
