@@ -100,21 +100,38 @@ def pickle_structure(
     buffer = io.BytesIO()
     names = _tensor_paths(obj)
     try:
+        pickler = StoragePickler(buffer, storages)
+        pickler.names = names
+        pickler.dump(obj)
         if type(obj) in (dict, collections.OrderedDict) and all(isinstance(k, str) for k in obj):
-            # A pass per entry records which storages it uses (and names storages after the
-            # entry); only tensor metadata is pickled, not tensor bytes, so this is cheap.
+            # Which storages each entry uses, so that a partial load reads only those: a
+            # tensor's is known; anything else gets a pass of its own, which pickles only
+            # tensor metadata (every storage is known by now, so ids do not change).
             entries = {}
             for key, value in obj.items():
+                saved = _plain_tensor_storage(value, storages)
+                if saved is not None:
+                    entries[key] = [saved.id]
+                    continue
                 probe = StoragePickler(io.BytesIO(), storages)
                 probe.entry, probe.names = key, names
                 probe.dump(value)
                 entries[key] = sorted(probe.seen)
-        pickler = StoragePickler(buffer, storages)
-        pickler.names = names
-        pickler.dump(obj)
+                for saved in storages.values():
+                    if saved.id in probe.seen and saved.name == "<object>":
+                        saved.name = key  # a tensor inside an object: name it by its entry
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
     return buffer.getvalue(), list(storages.values()), entries
+
+
+def _plain_tensor_storage(value: Any, storages: dict[int, SavedStorage]) -> SavedStorage | None:
+    # The storage a plain dense tensor was pickled with; None for anything else.
+    if type(value) not in (torch.Tensor, torch.nn.Parameter):
+        return None
+    if value.layout != torch.strided or value.is_quantized:
+        return None
+    return storages.get(value.untyped_storage()._cdata)
 
 
 def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:

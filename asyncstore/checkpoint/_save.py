@@ -178,6 +178,11 @@ class StagingPool:
         with self._lock:
             return bool(self._free) or (self.allocated + 1) * self.slab_bytes <= self.budget
 
+    def try_acquire(self) -> torch.Tensor | None:
+        """A slab already allocated and free, or ``None`` (then :meth:`acquire` one)."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
     async def acquire(self) -> torch.Tensor:
         """A free slab; waits while the budget is spent and every slab is in use."""
         loop = asyncio.get_running_loop()
@@ -444,6 +449,10 @@ class _SaveJob:
         await self.queue.put(None)
 
     async def _segment(self) -> _Segment:
+        if self.writer is None or not self.writer.done():
+            slab = self.pool.try_acquire()
+            if slab is not None:  # the usual case on later saves: no waiting, no task
+                return self._new_segment(slab)
         if not self.pool.can_acquire():
             self.gate.set()  # slabs come back only once written: start the pipeline now
         # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
@@ -460,14 +469,17 @@ class _SaveJob:
         if not acquire.cancelled() and acquire.exception() is None:
             slab = acquire.result()
             if self.writer is None or not self.writer.done():
-                self.held[id(slab)] = slab
-                base = self.predicted % ALIGN
-                return _Segment(slab, base, used=base)
+                return self._new_segment(slab)
             self.pool.release(slab)  # the writer failed: nobody will write this one
         assert self.writer is not None
         assert self.writer.done()
         self.writer.result()  # raises the writer's error
         raise AsyncStoreError(f"the save to {self.sink.url} stopped writing")
+
+    def _new_segment(self, slab: torch.Tensor) -> _Segment:
+        self.held[id(slab)] = slab
+        base = self.predicted % ALIGN
+        return _Segment(slab, base, used=base)
 
     def release(self, slab: torch.Tensor) -> None:
         if self.held.pop(id(slab), None) is not None:
