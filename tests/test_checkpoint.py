@@ -10,6 +10,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -780,3 +781,37 @@ async def test_local_saves_go_around_the_page_cache(tmp_path: Path) -> None:
     assert result.direct_bytes >= result.stored_bytes - 16 * 4096
     loaded = await asyncstore.load(tmp_path / "a.ckpt")
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("priority", ["low", "normal"])
+async def test_encoding_runs_at_the_priority_asked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, priority: str
+) -> None:
+    # Checksums and compression run on threads a training step's threads always win
+    # against, unless the caller asks otherwise; the snapshot runs at normal priority.
+    from asyncstore.checkpoint import _save
+
+    seen: dict[str, set[int]] = {"encode": set(), "copy": set()}
+
+    def own() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    encode, copy = _save._SaveJob._encode_sync, _save._SaveJob._copy
+
+    def spying_encode(self: Any, segment: Any) -> Any:
+        seen["encode"].add(own())
+        return encode(self, segment)
+
+    def spying_copy(segment: Any) -> None:
+        seen["copy"].add(own())
+        copy(segment)
+
+    monkeypatch.setattr(_save._SaveJob, "_encode_sync", spying_encode)
+    monkeypatch.setattr(_save._SaveJob, "_copy", staticmethod(spying_copy))
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    state = {"w": torch.randn(1 << 16)}
+    await (await asyncstore.save(state, tmp_path / "p.ckpt", priority=priority))  # type: ignore[arg-type]
+    assert seen["encode"] == ({19} if priority == "low" else {base})
+    assert seen["copy"] == {base}
+    with pytest.raises(InvalidArgument, match="priority='urgent'"):
+        await asyncstore.save(state, tmp_path / "p.ckpt", priority="urgent")  # type: ignore[arg-type]

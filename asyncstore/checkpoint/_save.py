@@ -66,6 +66,7 @@ class SaveOptions(TypedDict, total=False):
     exclude: Iterable[str]
     metadata: dict[str, Any] | None
     store_options: dict[str, Any] | None
+    priority: Literal["low", "normal"]
 
 
 class SaveResult(msgspec.Struct, frozen=True):
@@ -321,6 +322,7 @@ class _Decisions:
     def __init__(self, compression: str | None, level: int, exclude: tuple[str, ...]) -> None:
         self.compression, self.level, self.exclude = compression, level, exclude
         self._codecs: dict[int, str] = {}
+        self._warm: set[str] = set()  # codecs probed once already in this save
         self.bandwidth: float | None = None
 
     def codec_for(self, piece: _Piece, data: memoryview) -> str:
@@ -341,9 +343,15 @@ class _Decisions:
         # CPU time of this thread, not wall time: the question is how fast a core encodes,
         # and a busy machine (a training step, another save) would otherwise make zstd look
         # slow and flip the decision from run to run.
-        started = time.thread_time()
-        ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
-        speed = len(sample) / max(time.thread_time() - started, 1e-6)
+        # The first probe of a codec in a save runs twice, timing the faster run: a cold
+        # thread's first compression (context set-up, first-touch page faults) can take
+        # 2-3x as long as the next and would keep everything raw.
+        speed = 0.0
+        for _ in range(1 if codec in self._warm else 2):
+            started = time.thread_time()
+            ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
+            speed = max(speed, len(sample) / max(time.thread_time() - started, 1e-6))
+        self._warm.add(codec)
         keeps_up = self.bandwidth is None or speed * _ENCODERS >= 1.1 * self.bandwidth
         decision = codec if ratio <= _WORTH and keeps_up else "raw"
         self._codecs[storage.id] = decision
@@ -361,6 +369,7 @@ class _SaveJob:
         pool: StagingPool,
         decisions: _Decisions,
         bandwidth_key: str,
+        background: bool = True,
     ) -> None:
         self.sink = sink
         self.structure = structure
@@ -370,6 +379,7 @@ class _SaveJob:
         self.pool = pool
         self.decisions = decisions
         self.bandwidth_key = bandwidth_key
+        self.background = background  # encode on low-priority threads
         self.queue: asyncio.Queue[asyncio.Future[tuple[_Segment, list[_Encoded]]] | None] = (
             asyncio.Queue()
         )
@@ -552,7 +562,9 @@ class _SaveJob:
         await self.gate.wait()
         if copied is not None:
             await asyncio.shield(copied)
-        encoded = await run_thread(self._encode_sync, segment, limiter=self.encoders)
+        encoded = await run_thread(
+            self._encode_sync, segment, limiter=self.encoders, background=self.background
+        )
         return segment, encoded
 
     def _encode_sync(self, segment: _Segment) -> list[_Encoded]:
@@ -714,9 +726,12 @@ def _check(
     staging_bytes: object,
     exclude: object,
     metadata: object,
+    priority: object = "low",
 ) -> tuple[str | None, tuple[str, ...], dict[str, Any]]:
     if compression not in (None, "zstd", "auto"):
         raise InvalidArgument(f"compression={compression!r}: use None, 'zstd' or 'auto'")
+    if priority not in ("low", "normal"):
+        raise InvalidArgument(f"priority={priority!r}: use 'low' (the default) or 'normal'")
     if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
         raise InvalidArgument(f"level={level!r}: zstd levels are ints from -7 to 22")
     for name, value in (("chunk_bytes", chunk_bytes), ("staging_bytes", staging_bytes)):
@@ -757,6 +772,7 @@ async def save(
     exclude: Iterable[str] = (),
     metadata: dict[str, Any] | None = None,
     store_options: dict[str, Any] | None = None,
+    priority: Literal["low", "normal"] = "low",
 ) -> SaveHandle:
     """Save ``obj`` (a state dict, or any picklable object holding tensors) as a checkpoint.
 
@@ -779,6 +795,11 @@ async def save(
         exclude: name patterns (``fnmatch``) of entries stored raw whatever ``compression``.
         metadata: a dict kept in the manifest (step, time, anything msgpack can hold).
         store_options: options for ``open_store`` when ``target`` is a URL or path.
+        priority: ``"low"`` (the default) checksums and compresses on threads of the lowest
+            priority (nice 19), so a training step's threads get the cores whenever they
+            want them and the save goes on in what they leave; ``"normal"`` when the save
+            should finish as soon as possible. The snapshot (what the caller waits for)
+            always runs at normal priority.
 
     Only one save per target runs at a time in an event loop; a second waits for the first
     to commit before its snapshot.
@@ -789,7 +810,7 @@ async def save(
     """
     started = time.perf_counter()
     compression_, patterns, meta = _check(
-        compression, level, chunk_bytes, staging_bytes, exclude, metadata
+        compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority
     )
     resolved = resolve(target, store_options, writing=True)
     loop = asyncio.get_running_loop()
@@ -820,7 +841,9 @@ async def save(
         # object stores slow; compression pays where it produces bytes faster than these.
         assumed = 150e6 if isinstance(resolved.store, S3Store) else 1.5e9
         decisions.bandwidth = _BANDWIDTH.get(key, assumed)
-        job = _SaveJob(sink, structure, storages, entries, meta, pool, decisions, key)
+        job = _SaveJob(
+            sink, structure, storages, entries, meta, pool, decisions, key, priority == "low"
+        )
     except BaseException as exc:
         await shielded(_fail(None, sink, exc))
         await shielded(_release(resolved, lock))

@@ -18,28 +18,46 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTORS: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()
 
+# The niceness of background threads: a training step's threads get the cores whenever they
+# want them; checkpoint work runs in what they leave.
+LOW_PRIORITY = 19
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    global _EXECUTOR
+
+def _lower_priority() -> None:
+    # Per thread on Linux (a thread id names one thread); elsewhere this is best effort.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
+
+
+def _executor(background: bool) -> concurrent.futures.ThreadPoolExecutor:
     with _LOCK:
-        if _EXECUTOR is None:
-            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
+        executor = _EXECUTORS.get(background)
+        if executor is None:
+            executor = _EXECUTORS[background] = concurrent.futures.ThreadPoolExecutor(
                 max_workers=max(4, (os.cpu_count() or 1) + 4),
-                thread_name_prefix="asyncstore-checkpoint",
+                thread_name_prefix="asyncstore-checkpoint" + ("-background" if background else ""),
+                initializer=_lower_priority if background else None,
             )
-        return _EXECUTOR
+        return executor
 
 
 async def run_thread(
-    func: Callable[..., T], *args: Any, limiter: asyncio.Semaphore | None = None
+    func: Callable[..., T],
+    *args: Any,
+    limiter: asyncio.Semaphore | None = None,
+    background: bool = False,
 ) -> T:
-    """Run ``func(*args)`` in a worker thread; if cancelled, wait for it, then re-raise."""
+    """Run ``func(*args)`` in a worker thread; if cancelled, wait for it, then re-raise.
+
+    ``background=True`` runs it on a thread of low priority (nice 19), for work nobody is
+    waiting for.
+    """
     async with limiter if limiter is not None else contextlib.nullcontext():
         future = asyncio.get_running_loop().run_in_executor(
-            _executor(), functools.partial(func, *args)
+            _executor(background), functools.partial(func, *args)
         )
         try:
             return await asyncio.shield(future)
@@ -67,8 +85,8 @@ async def shielded(awaitable: Any) -> Any:
 
 def _forget() -> None:
     # In a forked child the parent's threads do not exist, and a held lock is never freed.
-    global _EXECUTOR, _LOCK
-    _EXECUTOR = None
+    global _LOCK
+    _EXECUTORS.clear()
     _LOCK = threading.Lock()
 
 
