@@ -210,3 +210,31 @@ async def test_clean_up_writes_removes_only_abandoned_temp_files(
     assert other.exists()
     assert await local.clean_up_writes("ckpt/a-model.bin") == 1
     assert not other.exists()
+
+
+@pytest.mark.parametrize("direct", [False, True])
+async def test_a_cleanup_between_creating_and_locking_a_temp_file_is_survived(
+    local: asyncstore.LocalStore, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    # Another process's clean_up_writes() can lock and remove a temp file in the instant
+    # between its creation and its writer's lock. The writer notices and starts over with
+    # a new file, instead of writing into one nobody will see.
+    import fcntl
+
+    real_flock = fcntl.flock
+    raced: list[int] = []
+    racing = False
+
+    def flock_after_a_cleanup(fd: int, operation: int) -> None:
+        nonlocal racing
+        if not racing:  # the writer's first lock: the real cleanup runs first
+            racing = True
+            raced.append(local._clean_up_writes("ckpt/model.bin"))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_cleanup)
+    async with local.open_writer("ckpt/model.bin", direct=direct) as writer:
+        await writer.write(b"kept" * 5000)
+    assert raced == [1]  # the cleanup did take the first temp file
+    assert await local.get("ckpt/model.bin") == b"kept" * 5000
+    assert [p.name for p in (Path(local.root) / "ckpt").iterdir()] == ["model.bin"]

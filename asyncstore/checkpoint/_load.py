@@ -48,7 +48,10 @@ async def read_manifest(
     resolved = resolve(source, store_options, writing=False)
     try:
         src = _source(resolved)
-        manifest = await _read_manifest(src)
+        try:
+            manifest = await _read_manifest(src)
+        finally:
+            await src.aclose()
         if manifest is None:
             raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
         return manifest
@@ -102,12 +105,6 @@ class _Reader:
         self.manifest = manifest
         self.reads = asyncio.Semaphore(_READS)
         self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-        self._fd: int | None = None
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
     def _check(self, stored: memoryview | bytes, target: _Target) -> None:
         chunk = target.chunk
@@ -144,14 +141,13 @@ class _Reader:
     def _read_local(self, start: int, end: int, span: list[_Target]) -> None:
         # Straight from the file: raw chunks land in their tensors with one copy (preadv
         # scatters the span into them), then are verified where they lie.
-        if self._fd is None:
-            assert self.source.local_path is not None
-            self._fd = os.open(self.source.local_path, os.O_RDONLY | os.O_CLOEXEC)
+        assert isinstance(self.source, StoreSource)
+        fd = self.source.fd()  # the file the manifest came from
         if all(t.chunk.codec == "raw" for t in span):
             buffers = [t.out for t in span]
             position = start
             while buffers:
-                got = os.preadv(self._fd, buffers[:_IOV_MAX], position)
+                got = os.preadv(fd, buffers[:_IOV_MAX], position)
                 if got == 0:
                     raise IntegrityError(
                         f"{self.source.url} ends at byte {position}, before its chunks do"
@@ -166,9 +162,9 @@ class _Reader:
                 self._check(target.out, target)
             return
         data = bytearray(end - start)
-        got = os.preadv(self._fd, [data], start)
+        got = os.preadv(fd, [data], start)
         while got < len(data):
-            more = os.preadv(self._fd, [memoryview(data)[got:]], start + got)
+            more = os.preadv(fd, [memoryview(data)[got:]], start + got)
             if more == 0:
                 raise IntegrityError(f"{self.source.url} ends at byte {start + got}")
             got += more
@@ -215,6 +211,7 @@ class _Reader:
         """Each entry's storage, read and verified (on the CPU)."""
         out: dict[int, torch.UntypedStorage] = {}
         targets: list[_Target] = []
+        _check_memory(sum(entry.nbytes for entry in entries), self.source.url)
         for entry in entries:
             flat = torch.empty(entry.nbytes, dtype=torch.uint8)
             position = 0
@@ -234,6 +231,29 @@ class _Reader:
             out[entry.id] = flat.untyped_storage()
         await self.read(targets)
         return out
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (available RAM plus free swap), or
+    ``None`` where that cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return sum(int(fields[name].split()[0]) * 1024 for name in (b"MemAvailable", b"SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def _check_memory(needed: int, url: str) -> None:
+    # Before allocating: a manifest (damaged, crafted, or simply too large for this machine)
+    # must not get the process killed by the OOM killer halfway through a load.
+    available = available_memory()
+    if available is not None and needed > available:
+        raise UnsafeCheckpoint(
+            f"loading {url} needs {needed / 2**30:,.1f} GiB for its tensors but this machine "
+            f"has {available / 2**30:,.1f} GiB available: load some entries with keys=, fill "
+            "existing tensors in place with into=, or load on a larger machine"
+        )
 
 
 async def _gather(jobs: list[Any]) -> None:
@@ -351,11 +371,9 @@ async def load(
                 )
             return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
         reader = _Reader(src, manifest)
-        try:
-            return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
-        finally:
-            reader.close()
+        return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
     finally:
+        await shielded(src.aclose())  # after every thread reading through it is done
         await resolved.aclose()
 
 

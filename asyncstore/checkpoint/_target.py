@@ -188,16 +188,53 @@ class FileSink(Sink):
 
 
 class StoreSource(Source):
+    """Reads a checkpoint from a store. A local file is opened once: every read of a load
+    comes from that file, even if a save renames a new checkpoint over it meanwhile."""
+
     def __init__(self, store: Store, key: str, local_path: str | None) -> None:
         self.url = f"{store.url}/{key}"
         self.local_path = local_path
         self._store, self._key = store, key
+        self._fd: int | None = None
+        self._fd_lock = threading.Lock()
+
+    def fd(self) -> int:
+        """The local file's descriptor, opened on first use (worker threads only)."""
+        assert self.local_path is not None
+        with self._fd_lock:
+            if self._fd is None:
+                try:
+                    self._fd = os.open(self.local_path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError as exc:
+                    if isinstance(self._store, LocalStore):
+                        raise self._store._error(exc, self._key, "read") from exc
+                    raise
+            return self._fd
+
+    def _pread(self, start: int, end: int) -> bytes:
+        data = os.pread(self.fd(), end - start, start)
+        while len(data) < end - start:
+            more = os.pread(self.fd(), end - start - len(data), start + len(data))
+            if not more:
+                raise NotFound(f"{self.url} ended before byte {end}")
+            data += more
+        return data
 
     async def size(self) -> int:
+        if self.local_path is not None:
+            return await run_thread(lambda: os.fstat(self.fd()).st_size)
         return (await self._store.stat(self._key)).size
 
     async def read(self, start: int, end: int) -> bytes:
+        if self.local_path is not None:
+            return await run_thread(self._pread, start, end)
         return await self._store.get(self._key, start, end)
+
+    async def aclose(self) -> None:
+        with self._fd_lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
 
 class FileSource(Source):

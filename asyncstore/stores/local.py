@@ -386,7 +386,8 @@ class _TempFile:
                 continue  # a concurrent delete removed the empty directory: create it again
             # Held until the file is renamed or removed; the kernel drops it when this
             # process dies, which is how clean_up_writes() tells abandoned temp files.
-            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if not self._lock_own_file():
+                continue  # a cleanup took it between its creation and the lock: start over
             if self.direct:
                 try:
                     self.appender = DirectAppender(self.tmp, self.file.fileno())
@@ -395,8 +396,25 @@ class _TempFile:
                     raise
             return self
         raise StoreError(
-            f"cannot write {self.store.where(self.key)}: its directory keeps vanishing"
+            f"cannot write {self.store.where(self.key)}: its directory keeps vanishing, or its "
+            "temporary files are removed as they are made (another process cleaning up?)"
         )
+
+    def _lock_own_file(self) -> bool:
+        # Another process's clean_up_writes() may lock and remove the file in the moment
+        # before this lock: then the name no longer leads to our file, and we must not write
+        # into a file nobody can see.
+        fd = self.file.fileno()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            ours = os.fstat(fd)
+            there = os.stat(self.tmp)
+            if (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino):
+                return True
+        except (BlockingIOError, FileNotFoundError):
+            pass
+        self.file.close()
+        return False
 
     def write(self, data: memoryview) -> None:
         with self.lock:
