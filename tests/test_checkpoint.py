@@ -815,3 +815,95 @@ async def test_encoding_runs_at_the_priority_asked(
     assert seen["copy"] == {base}
     with pytest.raises(InvalidArgument, match="priority='urgent'"):
         await asyncstore.save(state, tmp_path / "p.ckpt", priority="urgent")  # type: ignore[arg-type]
+
+
+async def test_a_load_reads_one_file_while_a_save_replaces_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An evaluation job loading "latest.ckpt" while training saves a new one over it: the
+    # load keeps reading the file whose manifest it read, and gets that checkpoint whole.
+    from asyncstore.checkpoint import _load
+
+    old = {"w": torch.randn(300_000), "b": torch.randn(10)}
+    new = {"w": torch.randn(300_000), "b": torch.randn(10)}
+    await (await asyncstore.save(old, tmp_path / "latest.ckpt"))
+    await (await asyncstore.save(new, tmp_path / "next.ckpt"))
+    structure = _load._Reader.structure
+    replaced: list[bool] = []
+
+    async def replace_then_read(self: Any) -> bytes:
+        if not replaced:  # after the manifest was read, before any tensor is
+            os.replace(tmp_path / "next.ckpt", tmp_path / "latest.ckpt")
+            replaced.append(True)
+        return await structure(self)
+
+    monkeypatch.setattr(_load._Reader, "structure", replace_then_read)
+    assert_same(old, await asyncstore.load(tmp_path / "latest.ckpt"))
+    assert replaced
+    assert_same(new, await asyncstore.load(tmp_path / "latest.ckpt"))
+
+
+async def test_a_manifest_asking_for_more_memory_than_there_is_is_refused() -> None:
+    # A zstd chunk may claim any raw size: the load refuses before allocating, rather than
+    # being killed by the OOM killer (or allocating terabytes of swap).
+    import msgspec
+
+    from asyncstore.checkpoint._load import available_memory
+
+    available = available_memory()
+    assert available is not None  # Linux: /proc/meminfo
+    huge = available + (1 << 30)
+    replace = msgspec.structs.replace
+
+    def claim_huge(m: Any) -> Any:
+        first = m.storages[0]
+        chunks = [replace(first.chunks[0], codec="zstd", raw=huge)]
+        return replace(m, storages=[replace(first, nbytes=huge, chunks=chunks)])
+
+    async with asyncstore.open_store(f"memory://{unique()}") as store:
+        await (await asyncstore.save({"a": torch.arange(4.0)}, (store, "good"), compression=None))
+        await store.put("forged", rewrite_manifest(await store.get("good"), claim_huge))
+        with pytest.raises(UnsafeCheckpoint, match=r"needs [\d,.]+ GiB .* keys="):
+            await asyncstore.load((store, "forged"))
+
+
+async def test_storages_are_cut_to_fill_each_slab(tmp_path: Path) -> None:
+    # Six 768 KiB tensors in slabs of about 1 MiB: cutting a storage where a slab ends
+    # fills five slabs instead of taking one each (a quarter of the staging memory saved).
+    from asyncstore.checkpoint import staging_pool
+
+    chunk = (1 << 20) + 12288
+    pool = staging_pool(chunk)
+    pool.trim()
+    state = {f"t{i}": torch.randn(196_608) for i in range(6)}
+    await (await asyncstore.save(state, tmp_path / "cut.ckpt", chunk_bytes=chunk, compression=None))
+    assert pool.allocated == -(-6 * 196_608 * 4 // chunk) == 5
+    manifest = await read_manifest(tmp_path / "cut.ckpt")
+    sizes = [[c.raw for c in s.chunks] for s in manifest.storages]
+    assert any(len(s) == 2 for s in sizes)  # some storages span two slabs
+    assert all(sum(s) == 196_608 * 4 for s in sizes)
+    assert_same(state, await asyncstore.load(tmp_path / "cut.ckpt"))
+    pool.trim()
+
+
+async def test_reserve_allocates_ahead_of_the_first_save(tmp_path: Path) -> None:
+    from asyncstore.checkpoint import staging_pool
+
+    chunk = (1 << 20) + 8192
+    pool = staging_pool(chunk)
+    pool.trim()
+    pool.set_budget(3 * chunk)
+    pool.reserve(2 * chunk + 1)  # rounds up to whole slabs, within the budget
+    assert pool.allocated == 3
+    pool.reserve(100 * chunk)  # never beyond the budget
+    assert pool.allocated == 3
+    state = {"w": torch.randn(3 * chunk // 4 - 1000)}
+    await (
+        await asyncstore.save(
+            state, tmp_path / "r.ckpt", chunk_bytes=chunk, staging_bytes=3 * chunk
+        )
+    )
+    assert pool.allocated == 3  # the save found its slabs ready
+    with pytest.raises(InvalidArgument, match="nbytes=-1"):
+        pool.reserve(-1)
+    pool.trim()
