@@ -907,3 +907,37 @@ async def test_reserve_allocates_ahead_of_the_first_save(tmp_path: Path) -> None
     with pytest.raises(InvalidArgument, match="nbytes=-1"):
         pool.reserve(-1)
     pool.trim()
+
+
+async def test_a_failed_snapshot_copy_fails_the_save_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A copy into staging failing (a tensor freed under us, a device error) fails the call
+    # itself; every slab comes back, no temp file stays, the previous checkpoint is intact.
+    from asyncstore.checkpoint import _save
+
+    chunk = (1 << 16) + 4096
+    state = {f"t{i}": torch.randn(10_000) for i in range(40)}  # several slabs
+    target = tmp_path / "c.ckpt"
+    await (await asyncstore.save(state, target, chunk_bytes=chunk, compression=None))
+    copy = _save._SaveJob._copy
+    calls = 0
+
+    def failing_copy(segment: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("copy failed")
+        copy(segment)
+
+    monkeypatch.setattr(_save._SaveJob, "_copy", staticmethod(failing_copy))
+    changed = {k: v + 1 for k, v in state.items()}
+    with pytest.raises(RuntimeError, match="copy failed"):
+        await asyncstore.save(changed, target, chunk_bytes=chunk, compression=None)
+    pool = staging_pool(chunk)
+    assert pool.allocated > 0
+    assert len(pool._free) == pool.allocated
+    assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
+    monkeypatch.undo()
+    assert_same(state, await asyncstore.load(target))
+    pool.trim()

@@ -332,6 +332,7 @@ class _Segment:
     base: int  # where the first piece starts in the slab (its file offset modulo ALIGN)
     pieces: list[_Piece] = field(default_factory=list)
     used: int = 0  # end of the last piece in the slab
+    copied: asyncio.Future[None] | None = None  # done once its CPU copies are
     ready: list[Any] = field(default_factory=list)  # CUDA events of side-stream copies
 
 
@@ -415,9 +416,10 @@ class _SaveJob:
             asyncio.Queue()
         )
         self.encoders = asyncio.Semaphore(_ENCODERS)
-        # Copies of CPU tensors into slabs, on worker threads: two at once keep two cores'
-        # worth of memory bandwidth busy (one copy thread reaches about 2/3 of it).
-        self.copier = asyncio.Semaphore(2)
+        # Copies of CPU tensors into slabs are gathered while slabs come without waiting,
+        # then run on two worker threads (one copy thread reaches about 2/3 of the memory
+        # bandwidth): a later save of a whole model costs two thread hops, not one per slab.
+        self.batch: list[_Segment] = []
         self.copies: list[asyncio.Future[None]] = []
         # The pickled structure, stored as it will be (compressed if that pays), so that the
         # snapshot knows where in the file each chunk lands while every chunk stays raw.
@@ -484,7 +486,12 @@ class _SaveJob:
                     index += 1
             if segment is not None:
                 await self._submit(segment)
+            self._dispatch()
         finally:
+            for waiting in self.batch:  # never dispatched: the snapshot failed first
+                assert waiting.copied is not None
+                waiting.copied.cancel()
+            self.batch.clear()
             # No slab may go back while a thread still copies into it.
             await shielded(asyncio.gather(*self.copies, return_exceptions=True))
         for copy in self.copies:
@@ -502,6 +509,7 @@ class _SaveJob:
             slab = self.pool.try_acquire()
             if slab is not None:  # the usual case on later saves: no waiting, no task
                 return self._new_segment(slab)
+        self._dispatch()  # about to wait: copy what is planned meanwhile
         if not self.pool.can_acquire():
             self.gate.set()  # slabs come back only once written: start the pipeline now
         # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
@@ -539,24 +547,54 @@ class _SaveJob:
             self.release(slab)
 
     async def _submit(self, segment: _Segment) -> None:
-        copied: asyncio.Future[None] | None = None
         if any(piece.source.is_cuda for piece in segment.pieces):
             self._copy_cuda(segment)
         else:
-            # One thread hop per segment, two segments at once; the next slab is acquired
-            # while these copy.
-            await self.copier.acquire()
-            copied = asyncio.ensure_future(self._copy_cpu(segment))
-            self.copies.append(copied)
-        task = asyncio.ensure_future(self._encode(segment, copied))
+            segment.copied = asyncio.get_running_loop().create_future()
+            self.batch.append(segment)  # copied at the next _dispatch()
+        task = asyncio.ensure_future(self._encode(segment, segment.copied))
         self.tasks.append(task)
         await self.queue.put(task)
 
-    async def _copy_cpu(self, segment: _Segment) -> None:
+    def _dispatch(self) -> None:
+        # The planned CPU copies, in two groups of about equal bytes, one thread each.
+        if not self.batch:
+            return
+        batch, self.batch = self.batch, []
+        total = sum(seg.used - seg.base for seg in batch)
+        groups: list[list[_Segment]] = [[]]
+        done = 0
+        for seg in batch:
+            if groups[-1] and len(groups) < 2 and done >= total / 2:
+                groups.append([])
+            groups[-1].append(seg)
+            done += seg.used - seg.base
+        for group in groups:
+            self.copies.append(asyncio.ensure_future(self._copy_group(group)))
+
+    async def _copy_group(self, group: list[_Segment]) -> None:
         try:
-            await run_thread(self._copy, segment)
-        finally:
-            self.copier.release()
+            await run_thread(self._copy_all, group)
+        except BaseException as exc:
+            for seg in group:
+                assert seg.copied is not None
+                if seg.copied.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):
+                    seg.copied.cancel()
+                else:
+                    seg.copied.set_exception(exc)
+                    seg.copied.exception()  # retrieved here; the snapshot reports it
+            raise
+        for seg in group:
+            assert seg.copied is not None
+            if not seg.copied.done():
+                seg.copied.set_result(None)
+
+    @classmethod
+    def _copy_all(cls, group: list[_Segment]) -> None:
+        for segment in group:
+            cls._copy(segment)
 
     def _copy_cuda(self, segment: _Segment) -> None:
         # Device-to-host copies into pinned slabs, queued on each GPU's side stream: this
