@@ -280,15 +280,17 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
 
     # First saves (fresh staging memory), then rounds that interleave the writers: this
     # disk's speed drifts by 2-3x from one minute to the next (write-back, throttling).
-    asyncio.run(ours_first())
-    dcp_once("first", False)
-    dcp_once("first", True)
-    for _ in range(3):
-        raw_once()
-        asyncio.run(ours_later())
-        torch_once()
-        dcp_once("later", False)
-        dcp_once("later", True)
+    # Our saves share one event loop, as a training job's do.
+    with asyncio.Runner() as runner:
+        runner.run(ours_first())
+        dcp_once("first", False)
+        dcp_once("first", True)
+        for _ in range(3):
+            raw_once()
+            runner.run(ours_later())
+            torch_once()
+            dcp_once("later", False)
+            dcp_once("later", True)
 
     def med(name: str) -> float:
         return statistics.median(results[name])
