@@ -47,8 +47,19 @@ class SavedStorage:
         return int(self.storage.nbytes())
 
 
+_NOT_STORAGES = frozenset(
+    {tuple, list, dict, collections.OrderedDict, int, float, bool, str, bytes, type(None)}
+    | {torch.Size, torch.dtype, torch.device, torch.Tensor, torch.nn.Parameter}
+)
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -69,6 +80,10 @@ class StoragePickler(pickle.Pickler):
         self.names: dict[int, str] = {}  # storage C pointer -> dotted path of a tensor on it
 
     def persistent_id(self, obj: Any) -> tuple[str, int, str] | None:
+        # Called for every object pickled (thousands per state dict): leave the common
+        # ones at once.
+        if type(obj) in _NOT_STORAGES:
+            return None
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
