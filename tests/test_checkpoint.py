@@ -941,3 +941,15 @@ async def test_a_failed_snapshot_copy_fails_the_save_cleanly(
     monkeypatch.undo()
     assert_same(state, await asyncstore.load(target))
     pool.trim()
+
+
+async def test_sparse_tensors_save_and_load_when_trusted(tmp_path: Path) -> None:
+    # A sparse tensor has no storage of its own (its indices and values do): saving one
+    # used to fail with a bare NotImplementedError.
+    state = {"sparse": torch.eye(4).to_sparse(), "w": torch.ones(3)}
+    await (await asyncstore.save(state, tmp_path / "s.ckpt"))
+    loaded = await asyncstore.load(tmp_path / "s.ckpt", weights_only=False)
+    assert loaded["sparse"].layout == torch.sparse_coo
+    assert torch.equal(loaded["sparse"].to_dense(), torch.eye(4))
+    with pytest.raises(UnsafeCheckpoint, match="_rebuild_sparse_tensor"):
+        await asyncstore.load(tmp_path / "s.ckpt")

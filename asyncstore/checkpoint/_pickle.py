@@ -158,7 +158,10 @@ def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:
         limit -= 1
         path, value = stack.pop()
         if isinstance(value, torch.Tensor):
-            key = value.untyped_storage()._cdata
+            try:
+                key = value.untyped_storage()._cdata
+            except (RuntimeError, NotImplementedError):
+                continue  # no storage of its own (a sparse tensor): named by its entry
             names.setdefault(key, path or "<object>")
         elif isinstance(value, dict):
             stack.extend((f"{path}.{k}" if path else str(k), v) for k, v in reversed(value.items()))
