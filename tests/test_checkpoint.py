@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import pickle
@@ -953,3 +954,114 @@ async def test_sparse_tensors_save_and_load_when_trusted(tmp_path: Path) -> None
     assert torch.equal(loaded["sparse"].to_dense(), torch.eye(4))
     with pytest.raises(UnsafeCheckpoint, match="_rebuild_sparse_tensor"):
         await asyncstore.load(tmp_path / "s.ckpt")
+
+
+async def test_a_writer_failing_during_a_short_snapshot_gives_staging_back() -> None:
+    # The first write fails (a full disk) while a state of half a slab is being copied: the
+    # snapshot then ends without asking for another slab, and must give its slab back, or
+    # the next save with this pool waits for ever.
+    chunk = (1 << 20) + 20480
+    state = {"w": torch.randn(chunk // 8)}
+    options: dict[str, Any] = {"chunk_bytes": chunk, "staging_bytes": 2 * chunk}
+    for _ in range(3):
+        with pytest.raises(OSError, match="No space left"):
+            await asyncio.wait_for(
+                (await asyncstore.save(state, FailingFile(0), compression=None, **options)).wait(),
+                30,
+            )
+    pool = staging_pool(chunk)
+    assert len(pool._free) == pool.allocated
+    target = io.BytesIO()
+    await asyncio.wait_for((await asyncstore.save(state, target, **options)).wait(), 30)
+    target.seek(0)
+    assert_same(state, await asyncstore.load(target))
+    pool.trim()
+
+
+async def test_keys_loads_tensors_carrying_tensor_attributes(tmp_path: Path) -> None:
+    # A tensor's Python attributes are pickled with it: a partial load must read their
+    # storages too (they came back on the meta device).
+    w = torch.arange(8.0)
+    w.scale = torch.full((4,), 7.0)  # type: ignore[attr-defined]
+    p = torch.nn.Parameter(torch.ones(3))
+    p.mask = torch.zeros(3)  # type: ignore[attr-defined]
+    state = {"w": w, "p": p, "other": torch.ones(2)}
+    await (await asyncstore.save(state, tmp_path / "attrs.ckpt", compression=None))
+    part = await asyncstore.load(tmp_path / "attrs.ckpt", keys=["w", "p"], weights_only=False)
+    assert torch.equal(part["w"].scale, torch.full((4,), 7.0))
+    assert torch.equal(part["p"].mask, torch.zeros(3))
+
+
+async def test_slabs_without_room_to_spare_still_hold_every_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Pinned slabs are exactly chunk_bytes long (CUDA's allocator would double a larger
+    # request), so a chunk placed at its file offset modulo 4096 may have to end early.
+    # Plain memory of exactly that size stands in for pinned memory here.
+    import mmap
+
+    from asyncstore.checkpoint import StagingPool
+
+    def tight(self: StagingPool) -> torch.Tensor:
+        return torch.frombuffer(mmap.mmap(-1, self.slab_bytes), dtype=torch.uint8)
+
+    monkeypatch.setattr(StagingPool, "_allocate", tight)
+    for chunk in (4096, 12288, 65536 + 4096):
+        pool = staging_pool(chunk)
+        pool.trim()
+        gen = torch.Generator().manual_seed(chunk)
+        state = {
+            f"t{i}": torch.randn(n, generator=gen) for i, n in enumerate((1, 3000, 9001, 40000))
+        }
+        path = tmp_path / f"tight-{chunk}.ckpt"
+        await (await asyncstore.save(state, path, chunk_bytes=chunk, compression=None))
+        assert_same(state, await asyncstore.load(path))
+        manifest = await read_manifest(path)
+        assert all(c.raw <= chunk for s in manifest.storages for c in s.chunks)
+        pool.trim()
+
+
+async def test_a_directory_at_the_key_is_not_found(tmp_path: Path) -> None:
+    (tmp_path / "ckpt").mkdir()
+    async with asyncstore.open_store(tmp_path) as store:
+        with pytest.raises(NotFound):
+            await asyncstore.load((store, "ckpt"))
+
+
+async def test_saves_cancelled_at_random_moments_give_every_slab_back(tmp_path: Path) -> None:
+    # Cancellation can land anywhere in a save: while it waits for a slab (one may arrive
+    # in that very moment), while it copies, while it writes. Afterwards every slab is back
+    # in the pool, no temp file stays, and the next save works.
+    chunk = (1 << 20) + 24576
+    state = {f"t{i}": torch.randn(150_000) for i in range(24)}
+    pool = staging_pool(chunk)
+    rng = random.Random(0)
+    for trial in range(20):
+        staging = chunk * rng.choice([2, 4, 64])
+        task = asyncio.ensure_future(
+            asyncstore.save(
+                state,
+                tmp_path / f"x{trial % 2}.ckpt",
+                chunk_bytes=chunk,
+                staging_bytes=staging,
+                compression=rng.choice([None, "auto"]),
+            )
+        )
+        await asyncio.sleep(rng.random() * 0.05)
+        task.cancel()
+        try:
+            handle = await asyncio.wait_for(asyncio.shield(task), 30)
+            if rng.random() < 0.5:
+                handle.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait_for(handle.wait(), 30)
+        except asyncio.CancelledError:
+            pass
+        assert pool.allocated == len(pool._free), f"trial {trial}"
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.endswith(".ckpt")]
+    options: dict[str, Any] = {"chunk_bytes": chunk, "staging_bytes": 4 * chunk}
+    await asyncio.wait_for(
+        (await asyncstore.save(state, tmp_path / "final.ckpt", **options)).wait(), 30
+    )
+    assert_same(state, await asyncstore.load(tmp_path / "final.ckpt"))
+    pool.trim()

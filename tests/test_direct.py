@@ -6,6 +6,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -110,3 +111,40 @@ async def test_local_direct_writer_commits_atomically(tmp_path: Path) -> None:
             raise RuntimeError("the caller failed")
     assert sorted(os.listdir(tmp_path)) == ["big.bin"]
     await store.aclose()
+
+
+async def test_a_device_refusing_direct_writes_gets_every_byte_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A file system that opens files with O_DIRECT but refuses the writes (EINVAL: a block
+    # size above 4096, say): the appender and a checkpoint save carry on through the page
+    # cache, and every byte lands.
+    import errno
+    import fcntl
+
+    import torch
+
+    real = os.pwrite
+
+    def refusing(fd: int, data: Any, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refusing)
+    _, view = _arena()
+    path = tmp_path / "out.bin"
+    with open(path, "wb", buffering=0) as f:
+        appender = DirectAppender(str(path), f.fileno())
+        appender.write(memoryview(b"h" * 100))
+        appender.write(view[100 : 100 + 512 * 1024])  # lines up: tried direct, refused
+        appender.write(view[7 : 7 + 100_000])
+        assert not appender.direct
+        appender.finish()
+        appender.close()
+    expected = b"h" * 100 + bytes(view[100 : 100 + 512 * 1024]) + bytes(view[7 : 7 + 100_000])
+    assert path.read_bytes() == expected
+    state = {"w": torch.randn(1 << 18)}
+    result = await (await asyncstore.save(state, tmp_path / "a.ckpt", compression=None))
+    assert result.direct_bytes == 0
+    assert torch.equal((await asyncstore.load(tmp_path / "a.ckpt"))["w"], state["w"])

@@ -123,6 +123,7 @@ def pickle_structure(
             # tensor's is known; anything else gets a pass of its own, which pickles only
             # tensor metadata (every storage is known by now, so ids do not change).
             entries = {}
+            by_id = {saved.id: saved for saved in storages.values()}
             for key, value in obj.items():
                 saved = _plain_tensor_storage(value, storages)
                 if saved is not None:
@@ -132,20 +133,25 @@ def pickle_structure(
                 probe.entry, probe.names = key, names
                 probe.dump(value)
                 entries[key] = sorted(probe.seen)
-                for saved in storages.values():
-                    if saved.id in probe.seen and saved.name == "<object>":
-                        saved.name = key  # a tensor inside an object: name it by its entry
+                if len(by_id) != len(storages):  # a __reduce__ made new tensors this time
+                    by_id = {saved.id: saved for saved in storages.values()}
+                for sid in probe.seen:
+                    if by_id[sid].name == "<object>":
+                        by_id[sid].name = key  # a tensor inside an object: named by its entry
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
     return buffer.getvalue(), list(storages.values()), entries
 
 
 def _plain_tensor_storage(value: Any, storages: dict[int, SavedStorage]) -> SavedStorage | None:
-    # The storage a plain dense tensor was pickled with; None for anything else.
+    # The one storage a plain dense tensor was pickled with; None for anything whose pickle
+    # may hold more (Python attributes, nested or quantized tensors): those are probed.
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         return None
-    if value.layout != torch.strided or value.is_quantized:
+    if value.layout != torch.strided or value.is_quantized or value.is_nested:
         return None
+    if getattr(value, "__dict__", None):
+        return None  # attributes (w.scale = tensor) are pickled with it
     return storages.get(value.untyped_storage()._cdata)
 
 

@@ -217,9 +217,12 @@ class StagingPool:
     def _allocate(self) -> torch.Tensor:
         size = self.slab_bytes + ALIGN
         if self.pinned:
-            memory = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=True)
+            # Exactly slab_bytes: CUDA's host allocator rounds requests up to a power of two,
+            # so 4 KiB to spare would pin twice the memory. Chunks then fit in what is left
+            # after their offset (see _SaveJob._place).
+            memory = torch.empty(self.slab_bytes, dtype=torch.uint8, pin_memory=True)
             skip = -memory.data_ptr() % ALIGN
-            return memory[skip : skip + size]  # the view keeps the whole allocation alive
+            return memory[skip:]  # the view keeps the whole allocation alive
         # Page-aligned, and every page faulted in now, in one system call: touching fresh
         # pages one fault at a time costs about 0.9 s per GiB here. Saves place chunks at
         # different offsets of a slab from one save to the next, so a slab only partly
@@ -437,6 +440,7 @@ class _SaveJob:
         # Where the next chunk will start in the file if every chunk before it stays raw.
         self.predicted = len(fmt.MAGIC) + len(stored)
         self.started = False  # the writer task began (its cleanup will run)
+        self.failed = False  # the save failed (set before its cleanup first waits)
         self.snapshot_done = False
         self.chunks: dict[int, list[fmt.Chunk]] = {s.id: [] for s in storages}
         self.held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
@@ -467,7 +471,7 @@ class _SaveJob:
                 index = start = 0
                 while start < saved.nbytes:
                     size = min(chunk, saved.nbytes - start)
-                    room = 0 if segment is None else chunk - (segment.used - segment.base)
+                    room = 0 if segment is None else self._room(segment)
                     if size > room:
                         if room >= min(_MIN_SPLIT, chunk // 4):
                             size = room  # fill the slab: this chunk ends where it does
@@ -475,6 +479,9 @@ class _SaveJob:
                             if segment is not None:
                                 await self._submit(segment)
                             segment = await self._segment()
+                            # A pinned slab has nothing to spare beyond chunk_bytes: after
+                            # its base, a full chunk may have to end early.
+                            size = min(size, self._room(segment))
                     assert segment is not None
                     at = segment.used
                     segment.pieces.append(
@@ -501,8 +508,17 @@ class _SaveJob:
             torch.cuda.current_stream(index).wait_stream(stream)
         self.snapshot_seconds = time.perf_counter() - started
         self.snapshot_done = True
+        if self.failed:
+            # The writer failed while the snapshot was finishing: its cleanup left the slabs
+            # (and the segments submitted since) to the snapshot; nobody will write them.
+            await shielded(self._abandon())
         self.gate.set()
         await self.queue.put(None)
+
+    def _room(self, segment: _Segment) -> int:
+        # Bytes the segment can still take: chunk_bytes from its base, within its slab.
+        chunk = self.pool.slab_bytes
+        return min(chunk - (segment.used - segment.base), len(segment.slab) - segment.used)
 
     async def _segment(self) -> _Segment:
         if self.writer is None or not self.writer.done():
@@ -519,10 +535,17 @@ class _SaveJob:
             waiting.add(self.writer)
         try:
             await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        except BaseException:
+            # Cancelled while waiting: a slab that arrived meanwhile must go back.
             if not acquire.done():
                 acquire.cancel()
                 await asyncio.gather(acquire, return_exceptions=True)
+            if not acquire.cancelled() and acquire.exception() is None:
+                self.pool.release(acquire.result())
+            raise
+        if not acquire.done():
+            acquire.cancel()
+            await asyncio.gather(acquire, return_exceptions=True)
         if not acquire.cancelled() and acquire.exception() is None:
             slab = acquire.result()
             if self.writer is None or not self.writer.done():
@@ -541,6 +564,12 @@ class _SaveJob:
     def release(self, slab: torch.Tensor) -> None:
         if self.held.pop(id(slab), None) is not None:
             self.pool.release(slab)
+
+    async def _abandon(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.release_all()
 
     def release_all(self) -> None:
         for slab in list(self.held.values()):
@@ -639,8 +668,11 @@ class _SaveJob:
         await self.gate.wait()
         if copied is not None:
             await asyncio.shield(copied)
+        # While the snapshot is still waiting for slabs (a state larger than the pool),
+        # the caller waits for this encoding too: it runs at normal priority then.
+        background = self.background and self.snapshot_done
         encoded = await run_thread(
-            self._encode_sync, segment, limiter=self.encoders, background=self.background
+            self._encode_sync, segment, limiter=self.encoders, background=background
         )
         return segment, encoded
 
@@ -965,6 +997,7 @@ async def _release(resolved: Any, lock: asyncio.Lock) -> None:
 async def _fail(job: _SaveJob | None, sink: Sink | None, exc: BaseException) -> None:
     # Stop everything, then make sure nothing was committed.
     if job is not None:
+        job.failed = True  # a snapshot finishing from now on gives its slabs back itself
         for task in job.tasks:
             task.cancel()
         # Each task ends only once its thread is done with its slab (run_thread).

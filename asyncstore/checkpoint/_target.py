@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import stat
 import threading
 from typing import IO, Any
 
@@ -199,25 +200,50 @@ class StoreSource(Source):
         self._fd_lock = threading.Lock()
 
     def fd(self) -> int:
-        """The local file's descriptor, opened on first use (worker threads only)."""
+        """The local file's descriptor, opened on first use (worker threads only).
+
+        Raises:
+            NotFound: there is no file (or a directory) at the key.
+            PermissionDenied: the key leads outside the store's directory, or cannot be read.
+        """
         assert self.local_path is not None
         with self._fd_lock:
             if self._fd is None:
-                try:
-                    self._fd = os.open(self.local_path, os.O_RDONLY | os.O_CLOEXEC)
-                except OSError as exc:
-                    if isinstance(self._store, LocalStore):
-                        raise self._store._error(exc, self._key, "read") from exc
-                    raise
+                self._fd = self._open()
             return self._fd
 
+    def _open(self) -> int:
+        path = self.local_path
+        assert path is not None
+        try:
+            if isinstance(self._store, LocalStore):
+                # The store's own checks: a symlink may not lead outside its directory.
+                path = self._store._path_for_read(self._key)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise self._translate(exc) from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotFound(f"{self.url} is not a file")
+        return fd
+
+    def _translate(self, exc: OSError) -> Exception:
+        if isinstance(self._store, LocalStore):
+            return self._store._error(exc, self._key, "read")
+        return exc
+
     def _pread(self, start: int, end: int) -> bytes:
-        data = os.pread(self.fd(), end - start, start)
-        while len(data) < end - start:
-            more = os.pread(self.fd(), end - start - len(data), start + len(data))
-            if not more:
-                raise NotFound(f"{self.url} ended before byte {end}")
-            data += more
+        try:
+            data = os.pread(self.fd(), end - start, start)
+            while len(data) < end - start:
+                more = os.pread(self.fd(), end - start - len(data), start + len(data))
+                if not more:
+                    raise NotFound(f"{self.url} ended before byte {end}")
+                data += more
+        except NotFound:
+            raise
+        except OSError as exc:
+            raise self._translate(exc) from exc
         return data
 
     async def size(self) -> int:

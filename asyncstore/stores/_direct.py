@@ -59,10 +59,10 @@ class DirectAppender:
         self._direct_fd: int | None
         try:
             self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-        except OSError as exc:
-            if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            self._direct_fd = None  # this file system has no direct I/O
+        except OSError:
+            # No direct I/O on this file system (EINVAL), or the file cannot be opened a
+            # second time for writing (a read-only umask): the caller's descriptor serves.
+            self._direct_fd = None
         self._bounce = mmap.mmap(-1, _BOUNCE)  # page-aligned
         self._bounce_view = memoryview(self._bounce)
         self._start = 0  # file offset of the bounce buffer's first byte (aligned)
@@ -95,7 +95,9 @@ class DirectAppender:
         self._stage(data[:head])  # completes the bounce buffer's last block
         self._flush()  # leaves nothing: the position is aligned now
         body = (len(data) - head) // ALIGN * ALIGN
-        if self._write_direct(data[head : head + body]):
+        if self._direct_fd is None:  # that flush was refused direct I/O: no more tries
+            self._pwrite(self._fd, data[head : head + body], self._start)
+        elif self._write_direct(data[head : head + body]):
             self.direct_bytes += body
         self._start += body
         self._stage(data[head + body :])
