@@ -149,18 +149,21 @@ def settle() -> None:
     time.sleep(0.5)
 
 
+def storage_bytes(state: dict[str, torch.Tensor]) -> Iterator[memoryview]:
+    """Each storage's bytes once (tied weights share one), in the state's order."""
+    seen: set[int] = set()
+    for tensor in state.values():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            yield _memview(torch.empty(0, dtype=torch.uint8).set_(storage))
+
+
 def raw_write(state: dict[str, torch.Tensor], path: Path) -> float:
     """The limit: every storage's bytes into one file, then fsync."""
-    seen: set[int] = set()
     started = time.perf_counter()
     with open(path, "wb", buffering=0) as f:
-        for tensor in state.values():
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-            view = _memview(flat)
+        for view in storage_bytes(state):
             while view:
                 view = view[f.write(view) :]
         os.fsync(f.fileno())
@@ -171,13 +174,8 @@ def aligned_copy(state: dict[str, torch.Tensor]) -> mmap.mmap:
     """Every storage's bytes, one after another, in page-aligned memory (for O_DIRECT)."""
     size = nbytes(state)
     payload = mmap.mmap(-1, -(-size // 4096) * 4096)
-    position, seen = 0, set()
-    for tensor in state.values():
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        view = _memview(torch.empty(0, dtype=torch.uint8).set_(storage))
+    position = 0
+    for view in storage_bytes(state):
         payload[position : position + len(view)] = view
         position += len(view)
     return payload
@@ -386,16 +384,7 @@ def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
     try:
         server.create_bucket(BUCKET)
         options = server.store_options(part_size=16 * MiB, upload_concurrency=4)
-        payload = bytearray(size)
-        position, seen = 0, set()
-        for tensor in state.values():
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() in seen:
-                continue
-            seen.add(storage.data_ptr())
-            view = _memview(torch.empty(0, dtype=torch.uint8).set_(storage))
-            payload[position : position + len(view)] = view
-            position += len(view)
+        payload = b"".join(storage_bytes(state))
 
         async def handwritten(key: str) -> float:
             # The baseline: one aiobotocore client, 16 MiB parts, 4 in flight.

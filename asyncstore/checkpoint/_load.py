@@ -233,6 +233,10 @@ class _Reader:
         return out
 
 
+# Allocations from this size on are checked against the memory the machine has free.
+_CHECKED_FROM = 64 * 1024 * 1024
+
+
 def available_memory() -> int | None:
     """Bytes this machine can still give a process (available RAM plus free swap), or
     ``None`` where that cannot be read."""
@@ -246,7 +250,10 @@ def available_memory() -> int | None:
 
 def _check_memory(needed: int, url: str) -> None:
     # Before allocating: a manifest (damaged, crafted, or simply too large for this machine)
-    # must not get the process killed by the OOM killer halfway through a load.
+    # must not get the process killed by the OOM killer halfway through a load. into= asks
+    # once per storage: small ones are not worth reading /proc/meminfo for.
+    if needed < _CHECKED_FROM:
+        return
     available = available_memory()
     if available is not None and needed > available:
         raise UnsafeCheckpoint(

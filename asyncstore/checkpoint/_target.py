@@ -234,9 +234,10 @@ class StoreSource(Source):
 
     def _pread(self, start: int, end: int) -> bytes:
         try:
-            data = os.pread(self.fd(), end - start, start)
+            fd = self.fd()
+            data = os.pread(fd, end - start, start)
             while len(data) < end - start:
-                more = os.pread(self.fd(), end - start - len(data), start + len(data))
+                more = os.pread(fd, end - start - len(data), start + len(data))
                 if not more:
                     raise NotFound(f"{self.url} ended before byte {end}")
                 data += more
