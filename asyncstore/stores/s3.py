@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import logging
 import os
@@ -29,6 +30,7 @@ import msgspec
 from botocore import exceptions as bex
 
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
+from . import _redact
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key
 from ._retry import with_retries
@@ -100,15 +102,22 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``auto`` uses path-style URLs with a custom ``endpoint_url`` (what S3-compatible
     servers expect) and botocore's choice otherwise."""
 
-    def __repr__(self) -> str:
+    def _masked_fields(self) -> list[tuple[str, Any]]:
         # Never let a secret reach a log line or a traceback through a repr.
-        fields = []
-        for name in self.__struct_fields__:
-            value = getattr(self, name)
-            if name in _SECRET_FIELDS and value is not None:
-                value = "***"
-            fields.append(f"{name}={value!r}")
-        return f"S3Config({', '.join(fields)})"
+        return [
+            (name, "***" if name in _SECRET_FIELDS and getattr(self, name) is not None
+             else getattr(self, name))
+            for name in self.__struct_fields__
+        ]  # fmt: skip
+
+    def __repr__(self) -> str:
+        """The options, with the secret key and the session token masked (also ``str``)."""
+        fields = ", ".join(f"{name}={value!r}" for name, value in self._masked_fields())
+        return f"S3Config({fields})"
+
+    def __rich_repr__(self) -> Any:
+        """What ``rich`` prints: msgspec's own would show the secrets."""
+        yield from self._masked_fields()
 
 
 def _resolved_endpoint(config: S3Config) -> str | None:
@@ -152,6 +161,26 @@ def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
     bandwidth instead, which the retry policy bounds anyway.
     """
     params.get("headers", {}).pop("Expect", None)
+
+
+async def _keep_credentials_out_of_logs(session: Any, config: S3Config) -> None:
+    """Mask this store's credentials in botocore's DEBUG log (see :mod:`._redact`).
+
+    The values come from the options or, when those have none, from the AWS chain the client
+    resolved, so credentials from the environment or a profile are masked too.
+    """
+    secrets = [config.aws_secret_access_key, config.aws_session_token]
+    if config.aws_secret_access_key is None:
+        with contextlib.suppress(Exception):  # no credentials: nothing to mask
+            credentials = await session.get_credentials()
+            if credentials is not None:
+                frozen = credentials.get_frozen_credentials()
+                if inspect.isawaitable(frozen):  # aiobotocore's refreshable credentials
+                    frozen = await frozen
+                secrets += [frozen.secret_key, frozen.token]
+    for secret in secrets:
+        _redact.remember_secret(secret)
+    _redact.install()
 
 
 # -- error classification -----------------------------------------------------------------------
@@ -310,6 +339,7 @@ class S3Store(BaseStore):
                     )
                     client = await cm.__aenter__()
                     client.meta.events.register_last("before-call.s3", _no_expect_header)
+                    await _keep_credentials_out_of_logs(session, cfg)
                 except Exception as exc:
                     raise StoreError(
                         f"cannot create an S3 client for {self.url}: {_describe(exc)}"
