@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -280,6 +281,8 @@ class S3Store(BaseStore):
         self._client_cm: Any = None
         self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
+        # Writers still open: aclose() aborts their uploads while it still has a client.
+        self._writers: weakref.WeakSet[_S3Writer] = weakref.WeakSet()
 
     @property
     def bucket(self) -> str:
@@ -359,6 +362,10 @@ class S3Store(BaseStore):
         # Under the lock: a client being created right now is finished first and closed here;
         # one requested after this point is refused, as the store is already marked closed.
         with anyio.CancelScope(shield=True):
+            # A writer left open would otherwise keep its multipart upload (and its stored
+            # parts) forever: with the client gone, its own abort could not reach S3.
+            for writer in list(self._writers):
+                await writer._shielded_abort()
             async with self._client_lock:
                 cm, self._client, self._client_cm = self._client_cm, None, None
                 fast, self._fast = self._fast, None
@@ -617,7 +624,9 @@ class S3Store(BaseStore):
                 return
 
     def _open_writer(self, key: str) -> BaseWriter:
-        return _S3Writer(self, key)
+        writer = _S3Writer(self, key)
+        self._writers.add(writer)
+        return writer
 
     def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
         return _S3Reader(self, key, chunk_size)
@@ -671,6 +680,7 @@ class _S3Writer(BaseWriter):
         self._buffer = io.BytesIO()
         self._upload_id: str | None = None
         self._tasks: list[asyncio.Task[dict[str, Any]]] = []
+        self._creating: asyncio.Future[str] | None = None
         self._next_part = 1
 
     def _part_size(self) -> int:
@@ -728,7 +738,14 @@ class _S3Writer(BaseWriter):
             )
             return str(resp["UploadId"])
 
-        return await self._store._call(self._key, "start upload", attempt)
+        # In a task of its own, shielded: once the request is sent, only its answer says which
+        # upload to abort, so a cancellation must not drop that answer. _abort() waits for it.
+        self._creating = asyncio.ensure_future(
+            self._store._call(self._key, "start upload", attempt)
+        )
+        upload_id = await asyncio.shield(self._creating)
+        self._creating = None
+        return upload_id
 
     async def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
         async def attempt(client: Any) -> dict[str, Any]:
@@ -777,6 +794,13 @@ class _S3Writer(BaseWriter):
                 await task
         self._tasks.clear()
         self._buffer = io.BytesIO()
+        creating, self._creating = self._creating, None
+        if creating is not None and self._upload_id is None:
+            # Cancelled while CreateMultipartUpload was in flight: learn the id to abort it.
+            try:
+                self._upload_id = await creating
+            except BaseException:
+                creating.cancel()  # failed (no upload), or our own cleanup timed out
         upload_id, self._upload_id = self._upload_id, None
         if upload_id is None:
             return

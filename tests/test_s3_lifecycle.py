@@ -1,0 +1,105 @@
+"""An S3 store's lifecycle against the real SeaweedFS: cancellation while an upload starts,
+writers that outlive their store, event loops, and two writers of one key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncstore
+from asyncstore import StoreClosed
+from asyncstore.testing import FaultProxy, SeaweedFS
+
+from .conftest import BUCKET, MiB, s3_options, unique
+
+pytestmark = pytest.mark.anyio
+
+FAST = {"retry_base_delay": 0.01, "retry_max_delay": 0.05, "max_attempts": 4}
+
+
+@pytest.fixture(scope="module")
+def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
+    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
+        yield running
+
+
+@pytest.fixture
+def faults(proxy: FaultProxy) -> Iterator[FaultProxy]:
+    proxy.reset()
+    yield proxy
+    proxy.reset()
+
+
+async def wait_for(condition: Any, what: str) -> None:
+    """Poll ``condition()`` until true; the bound only turns a hang into a failure."""
+    with anyio.fail_after(30):
+        while not condition():  # noqa: ASYNC110 - set by the proxy's thread: no Event to wait on
+            await anyio.sleep(0.01)
+
+
+async def test_cancel_while_create_multipart_upload_is_in_flight(
+    faults: FaultProxy, seaweedfs: SeaweedFS
+) -> None:
+    # The proxy holds each request 0.5 s before forwarding it, and forwards it even when the
+    # client has gone: the server creates the upload after the caller was cancelled.
+    options = s3_options(seaweedfs, endpoint_url=faults.url, **FAST)
+    async with asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **options) as store:
+        prefix = store.url.removeprefix(f"s3://{BUCKET}/")
+        faults.latency = 0.5
+        before = faults.requests
+        task = asyncio.ensure_future(store.put("big", os.urandom(6 * MiB)))  # multipart
+        await wait_for(lambda: faults.requests > before, "CreateMultipartUpload to be sent")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        faults.latency = 0.0
+        # Once the create has reached the server, an orphan would be listed within moments.
+        await wait_for(lambda: faults.requests_forwarded > 0, "the create to be forwarded")
+        for _ in range(20):
+            assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
+            await anyio.sleep(0.05)
+        with pytest.raises(asyncstore.NotFound):
+            await store.stat("big")
+
+
+@pytest.mark.parametrize("size", [1000, 6 * MiB], ids=["single-put", "multipart"])
+async def test_writer_open_across_aclose_never_commits(
+    open_kind: Any, store_kind: str, request: pytest.FixtureRequest, size: int
+) -> None:
+    store = open_kind()
+    await store.__aenter__()
+    writer = store.open_writer("k")
+    await writer.__aenter__()
+    await writer.write(os.urandom(size))
+    await store.aclose()
+    with pytest.raises(StoreClosed, match="store was closed while the writer was open"):
+        await writer.write(b"more")
+    with pytest.raises(StoreClosed, match="nothing was written"):
+        await writer.__aexit__(None, None, None)
+    assert writer.info is None
+    async with open_kind(store.url) as again:
+        with pytest.raises(asyncstore.NotFound):
+            await again.stat("k")
+    if store_kind == "s3":
+        server: SeaweedFS = request.getfixturevalue("seaweedfs")
+        prefix = store.url.removeprefix(f"s3://{BUCKET}/")
+        assert server.list_multipart_uploads(BUCKET, prefix) == []  # aborted, not orphaned
+
+
+async def test_writer_failing_inside_block_after_aclose_keeps_its_error(
+    seaweedfs: SeaweedFS,
+) -> None:
+    store = asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **s3_options(seaweedfs))
+    writer = store.open_writer("k")
+    with pytest.raises(ValueError, match="producer"):
+        async with writer:
+            await writer.write(os.urandom(6 * MiB))
+            await store.aclose()
+            raise ValueError("producer failed")
+    prefix = store.url.removeprefix(f"s3://{BUCKET}/")
+    assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
