@@ -241,6 +241,8 @@ def _code(exc: BaseException) -> tuple[str, int]:
 
 
 def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, _ShortBody):
+        return True
     if isinstance(exc, bex.ClientError | S3HTTPError):
         code, status = _code(exc)
         return status >= 500 or status == 429 or code in _RETRY_CODES
@@ -248,7 +250,7 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, S3HTTPError):
+    if isinstance(exc, S3HTTPError | _ShortBody):
         return str(exc)
     if isinstance(exc, bex.ClientError):
         code, status = _code(exc)
@@ -260,6 +262,56 @@ def _describe(exc: BaseException) -> str:
 
 class _Precondition(Exception):
     """The object changed between two requests of one operation (If-Match failed)."""
+
+
+class _ShortBody(Exception):
+    """A response whose body is not the length its headers (or the request) promised.
+
+    A connection closed early by a middlebox looks like the end of a close-delimited body, so
+    the length is checked on every read. Retried like a broken connection: the bytes are not
+    damaged at rest, the transfer was; after the last attempt it becomes
+    :class:`StoreUnavailable`.
+    """
+
+
+def _parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``"bytes 0-1023/4096"`` -> ``(0, 1024, 4096)``: the span ``[first, stop)`` and the total
+    (``None`` for ``*``); ``None`` when absent; :class:`_ShortBody` when unreadable."""
+    if not value:
+        return None
+    unit, _, rest = value.strip().partition(" ")
+    span, _, total = rest.partition("/")
+    first, _, last = span.partition("-")
+    if unit != "bytes" or not first.isdigit() or not last.isdigit():
+        raise _ShortBody(f"unreadable Content-Range {value!r}")
+    if not (total.isdigit() or total == "*"):
+        raise _ShortBody(f"unreadable Content-Range {value!r}")
+    return int(first), int(last) + 1, int(total) if total.isdigit() else None
+
+
+def _check_body(got: int, start: int, content_range: str | None, content_length: Any) -> int:
+    """Check a body of ``got`` bytes asked from offset ``start``; return the object's size.
+
+    The span of ``Content-Range`` (a 206) or else ``Content-Length`` (a 200, the whole object)
+    is what the server promised; a body of any other length was cut on the way. With neither
+    header the length cannot be checked, which is refused too: short bytes are never data.
+    """
+    parsed = _parse_content_range(content_range)
+    if parsed is not None:
+        first, stop, total = parsed
+        if first != start:
+            raise _ShortBody(f"asked for bytes from {start}, got {content_range!r}")
+        if got != stop - first:
+            raise _ShortBody(f"truncated body: got {got} of {stop - first} bytes")
+        return total if total is not None else stop
+    if content_length is None or not str(content_length).strip().isdigit():
+        raise _ShortBody(
+            f"a body of {got} bytes without Content-Length or Content-Range: its length "
+            "cannot be checked"
+        )
+    if got != int(content_length):
+        raise _ShortBody(f"truncated body: got {got} of {int(content_length)} bytes")
+    return got
 
 
 class S3Store(BaseStore):
@@ -445,9 +497,14 @@ class S3Store(BaseStore):
     def _info(self, key: str, head: dict[str, Any], size: int | None = None) -> ObjectInfo:
         etag = head.get("ETag")
         modified = head.get("LastModified")
+        if size is None:
+            if head.get("ContentLength") is None:
+                # Not 0: a size taken as 0 makes a reader end at once with no bytes.
+                raise _ShortBody("the answer has no Content-Length: the size is unknown")
+            size = int(head["ContentLength"])
         return ObjectInfo(
             key=key,
-            size=int(head.get("ContentLength", 0) if size is None else size),
+            size=size,
             etag=etag.strip('"') if isinstance(etag, str) else None,
             mtime=modified.timestamp() if modified is not None else None,
         )
@@ -474,9 +531,17 @@ class S3Store(BaseStore):
                 raise
             tag = headers.get("ETag")
             content_range = headers.get("Content-Range")
-            total = _total_size(content_range, len(data))
-            if content_range is None and (start or end < len(data)):
-                data = data[start:end]  # the server ignored Range and sent everything
+            if content_range is None:
+                # The server ignored Range and sent the whole object: check it from 0.
+                total = _check_body(len(data), 0, None, headers.get("Content-Length"))
+                data = data[start:end]
+            else:
+                total = _check_body(len(data), start, content_range, None)
+                if start + len(data) != min(end, total):
+                    # A consistent header can still promise less than was asked for.
+                    raise _ShortBody(
+                        f"asked for bytes {start}-{end - 1}, got {content_range!r} of {total}"
+                    )
             return data, total, tag.strip('"') if tag else None
 
         return await self._call(key, "get", attempt)
@@ -518,7 +583,7 @@ class S3Store(BaseStore):
                 # Parallel ranges fail for one reason in practice (the server went away):
                 # report that error rather than a group the caller would have to unpack.
                 raise next(e for e in leaves if not isinstance(e, _Precondition)) from None
-            return b"".join([data, *pieces])
+            return b"".join([data, *pieces])  # each piece's length was checked in _range
         raise self._error(_Precondition(), key)
 
     # -- put, stat, delete, list -------------------------------------------------------------
@@ -630,15 +695,6 @@ class S3Store(BaseStore):
 
     def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
         return _S3Reader(self, key, chunk_size)
-
-
-def _total_size(content_range: str | None, fallback: int) -> int:
-    # "bytes 0-1023/4096" -> 4096
-    if content_range and "/" in content_range:
-        total = content_range.rsplit("/", 1)[1]
-        if total.isdigit():
-            return int(total)
-    return int(fallback)
 
 
 def _bytes(view: memoryview) -> bytes:
@@ -856,7 +912,47 @@ class _S3Reader(BaseReader):
                 raise _Precondition from exc
             raise
         self._body = resp["Body"]
+        try:
+            resp["ContentLength"] = await self._expected_length(client, resp)
+        except BaseException:
+            await self._drop_body()
+            raise
         return resp
+
+    async def _expected_length(self, client: Any, resp: dict[str, Any]) -> int:
+        """How many bytes this response's body must have, from its headers.
+
+        A resumed read must get a ``Content-Range`` starting at the offset asked for; a
+        first read without ``Content-Length`` (a close-delimited or chunked body, rewritten by
+        a middlebox) asks the size with a HEAD of the same version, so that a body cut short
+        is still noticed by the reader (see :meth:`_read`).
+        """
+        parsed = _parse_content_range(resp.get("ContentRange"))
+        if parsed is not None:
+            first, stop, total = parsed
+            if first != self._offset or (total is not None and stop != total):
+                raise _ShortBody(
+                    f"asked for bytes from {self._offset}, got {resp.get('ContentRange')!r}"
+                )
+            return stop - first
+        if self._offset:
+            raise _ShortBody("a resumed read was answered without Content-Range")
+        if resp.get("ContentLength") is not None:
+            return int(resp["ContentLength"])
+        etag = str(resp.get("ETag", "")).strip('"')
+        try:
+            head = await client.head_object(
+                Bucket=self._store.bucket,
+                Key=self._store._root + self._key,
+                **({"IfMatch": f'"{etag}"'} if etag else {}),
+            )
+        except bex.ClientError as exc:
+            if _code(exc)[1] == 412:
+                raise _Precondition from exc
+            raise
+        if head.get("ContentLength") is None:
+            raise _ShortBody("neither the GET nor a HEAD announced the size")
+        return int(head["ContentLength"])
 
     async def _open(self) -> ObjectInfo:
         # The reader holds a request slot for its lifetime: its connection is in use all along.
@@ -884,6 +980,9 @@ class _S3Reader(BaseReader):
                         actual_bytes=self._offset, expected_bytes=self._size
                     )
             except Exception as exc:
+                # A body that ends before the size announced (a short read above, or aiohttp
+                # noticing a cut chunked body) is resumed from the offset, pinned to the
+                # version with If-Match; it never ends the read early.
                 if not _retryable(exc):
                     raise self._store._error(exc, self._key) from exc
                 failures += 1
