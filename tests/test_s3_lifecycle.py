@@ -103,3 +103,39 @@ async def test_writer_failing_inside_block_after_aclose_keeps_its_error(
             raise ValueError("producer failed")
     prefix = store.url.removeprefix(f"s3://{BUCKET}/")
     assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
+
+
+async def test_writer_whose_upload_another_writer_aborted_says_so(seaweedfs: SeaweedFS) -> None:
+    # A second process saving to the same key first aborts unfinished uploads of it
+    # (clean_up_writes): the first writer's upload vanishes under it.
+    url = f"s3://{BUCKET}/{unique()}"
+    async with (
+        asyncstore.open_store(url, **s3_options(seaweedfs)) as first,
+        asyncstore.open_store(url, **s3_options(seaweedfs)) as second,
+    ):
+        assert isinstance(second, asyncstore.S3Store)
+        with pytest.raises(asyncstore.StoreError, match="another writer of the same key") as caught:
+            async with first.open_writer("ckpt") as writer:
+                await writer.write(os.urandom(6 * MiB))  # the upload and its first part
+                assert await second.clean_up_writes("ckpt") == 1
+                await writer.write(os.urandom(MiB))
+        assert not isinstance(caught.value, asyncstore.NotFound)
+        assert "does not exist" not in str(caught.value)
+
+
+async def test_checkpoint_replaced_during_a_load_is_reported_as_replaced(
+    seaweedfs: SeaweedFS,
+) -> None:
+    from asyncstore.checkpoint._target import StoreSource
+
+    async with asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **s3_options(seaweedfs)) as store:
+        old, new = os.urandom(12 * MiB), os.urandom(12 * MiB)
+        await store.put("model.ckpt", old)
+        source = StoreSource(store, "model.ckpt", None)
+        assert await source.size() == len(old)
+        assert await source.read(MiB, 2 * MiB) == old[MiB : 2 * MiB]
+        await store.put("model.ckpt", new)  # another process saves over it
+        for start, end in [(0, 100), (MiB, 11 * MiB)]:  # one request; parallel ranges
+            with pytest.raises(asyncstore.StoreError, match="replaced by another writer"):
+                await source.read(start, end)
+        await source.aclose()

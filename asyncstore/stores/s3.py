@@ -436,6 +436,12 @@ class S3Store(BaseStore):
 
     # -- request plumbing -------------------------------------------------------------------
 
+    def _replaced(self, key: str) -> StoreError:
+        return StoreError(
+            f"{self.where(key)} was replaced by another writer while it was being read (its "
+            "ETag changed); nothing of the new version was mixed in: read it again"
+        )
+
     def _error(self, exc: Exception, key: str, attempts: int = 1) -> Exception:
         where = self.where(key) if key else self.url
         if isinstance(exc, _Precondition):
@@ -546,14 +552,29 @@ class S3Store(BaseStore):
 
         return await self._call(key, "get", attempt)
 
-    async def _get(self, key: str, start: int, end: int | None) -> bytes:
+    async def _get_pinned(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes ``[start, end)`` of exactly the version ``etag`` (from :meth:`stat`).
+
+        For a reader of several ranges of one object (the checkpoint loader): a concurrent
+        overwrite then raises :class:`StoreError` saying so, instead of mixing two versions
+        that only a checksum would catch, as "damaged".
+        """
+        self._check_open()
+        return await self._get(check_key(key, self.url), start, end, pin=etag)
+
+    async def _get(
+        self, key: str, start: int, end: int | None, *, pin: str | None = None
+    ) -> bytes:
         if end is not None and start == end:
             await self._stat(key)  # an empty range still says whether the key exists
             return b""
         part = self._config.part_size
         for _ in range(3):
             first_end = start + part if end is None else min(end, start + part)
-            data, total, etag = await self._range(key, start, first_end, None)
+            try:
+                data, total, etag = await self._range(key, start, first_end, pin)
+            except _Precondition as exc:
+                raise self._replaced(key) from exc
             stop = total if end is None else min(end, total)
             if total < 0 or start + len(data) >= stop:
                 return data
@@ -579,6 +600,8 @@ class S3Store(BaseStore):
             except BaseExceptionGroup as group:
                 leaves = _leaves(group)
                 if all(isinstance(leaf, _Precondition) for leaf in leaves):
+                    if pin is not None:
+                        raise self._replaced(key) from None
                     continue  # overwritten mid-read: start again on the new version
                 # Parallel ranges fail for one reason in practice (the server went away):
                 # report that error rather than a group the caller would have to unpack.
@@ -814,7 +837,24 @@ class _S3Writer(BaseWriter):
             )
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
-        return await self._store._call(self._key, f"upload part {number}", attempt)
+        return await self._upload_call(f"upload part {number}", attempt)
+
+    async def _upload_call(self, what: str, attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """A request on this writer's upload; says what happened if the upload is gone."""
+        try:
+            return await self._store._call(self._key, what, attempt)
+        except NotFound as exc:
+            if _code(exc.__cause__ or exc)[0] != "NoSuchUpload":
+                raise
+            # Not "does not exist": the key may well exist. Another writer of this key (a
+            # second process saving to it aborts unfinished uploads before it starts, see
+            # clean_up_writes) aborted this upload.
+            raise StoreError(
+                f"nothing was written to {self._store.where(self._key)}: another writer of the "
+                "same key aborted this writer's multipart upload (a second process saving to "
+                "it aborts unfinished uploads when it starts) and replaces the object; write "
+                "each key from one writer at a time"
+            ) from exc
 
     async def _commit(self) -> ObjectInfo:
         if self._upload_id is None:
@@ -837,7 +877,7 @@ class _S3Writer(BaseWriter):
                 )
             )
 
-        resp = await self._store._call(self._key, "complete upload", attempt)
+        resp = await self._upload_call("complete upload", attempt)
         self._upload_id = None  # committed: nothing left to abort
         info = self._store._info(self._key, {"ETag": resp.get("ETag")}, size=self._written)
         return msgspec.structs.replace(info, mtime=time.time())
