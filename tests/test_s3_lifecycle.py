@@ -139,3 +139,39 @@ async def test_checkpoint_replaced_during_a_load_is_reported_as_replaced(
             with pytest.raises(asyncstore.StoreError, match="replaced by another writer"):
                 await source.read(start, end)
         await source.aclose()
+
+
+def test_store_used_on_a_second_event_loop_says_what_to_do(seaweedfs: SeaweedFS) -> None:
+    # Not an anyio test: it drives two event loops of its own, as two asyncio.run() calls do.
+    store = asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **s3_options(seaweedfs))
+    first = asyncio.new_event_loop()
+    try:
+        first.run_until_complete(store.put("k", b"v"))
+        with pytest.raises(asyncstore.StoreError, match="first used on another event loop"):
+            asyncio.run(store.get("k"))
+        with pytest.raises(asyncstore.StoreError, match="open the store inside the loop"):
+            asyncio.run(store.put("k", b"w"))
+        assert first.run_until_complete(store.get("k")) == b"v"  # its own loop still works
+        first.run_until_complete(store.aclose())
+    finally:
+        first.close()
+
+
+def test_store_closed_from_another_loop_after_its_loop_ended(seaweedfs: SeaweedFS) -> None:
+    store = asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **s3_options(seaweedfs))
+
+    async def use_and_release() -> None:
+        await store.put("k", b"v")
+        assert isinstance(store, asyncstore.S3Store)
+        # Give the connections back to the first loop's pool and close them there, as a
+        # careful user would, so that only the client object outlives its loop.
+        assert store._fast is not None
+        await store._fast.aclose()
+        await store._client._endpoint.http_session.close()
+
+    asyncio.run(use_and_release())
+    with pytest.raises(asyncstore.StoreError, match="first used on another event loop"):
+        asyncio.run(store.get("k"))
+    asyncio.run(store.aclose())  # no "Event loop is closed": the old client is dropped
+    with pytest.raises(StoreClosed):
+        asyncio.run(store.get("k"))

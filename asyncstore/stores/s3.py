@@ -333,6 +333,7 @@ class S3Store(BaseStore):
         self._client_cm: Any = None
         self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
+        self._client_loop: asyncio.AbstractEventLoop | None = None
         # Writers still open: aclose() aborts their uploads while it still has a client.
         self._writers: weakref.WeakSet[_S3Writer] = weakref.WeakSet()
 
@@ -358,6 +359,8 @@ class S3Store(BaseStore):
 
     async def _get_client(self) -> Any:
         if self._client is not None:
+            if self._client_loop is not asyncio.get_running_loop():
+                raise self._wrong_loop()
             return self._client
         async with self._client_lock:
             self._check_open()
@@ -408,7 +411,19 @@ class S3Store(BaseStore):
                         "credentials are configured (options, environment or AWS profile)"
                     ) from exc
                 self._client_cm, self._client = cm, client
+                self._client_loop = asyncio.get_running_loop()
+        if self._client_loop is not asyncio.get_running_loop():
+            raise self._wrong_loop()  # created by another loop while this one waited
         return self._client
+
+    def _wrong_loop(self) -> StoreError:
+        # Not recreated on the new loop: the old client's connections belong to the old loop
+        # (closed, typically, by asyncio.run) and could only be leaked, not closed.
+        return StoreError(
+            f"{self.url} was first used on another event loop, and its connections belong to "
+            "that loop (one asyncio.run() per store); open the store inside the loop that "
+            "uses it ('async with open_store(...)' in each asyncio.run), or open one per loop"
+        )
 
     async def _aclose(self) -> None:
         # Under the lock: a client being created right now is finished first and closed here;
@@ -421,6 +436,10 @@ class S3Store(BaseStore):
             async with self._client_lock:
                 cm, self._client, self._client_cm = self._client_cm, None, None
                 fast, self._fast = self._fast, None
+                if self._client_loop is not asyncio.get_running_loop():
+                    # Closed from another loop: the connections cannot be closed from here
+                    # (their loop is usually closed already); drop them.
+                    return
                 if fast is not None:
                     await fast.aclose()
                 if cm is not None:
