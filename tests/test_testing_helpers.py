@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -258,6 +260,78 @@ def test_fault_arguments_are_validated() -> None:
         fault_proxy.fail_next(1, status=200)
     with pytest.raises(ValueError, match="reset_next"):
         fault_proxy.reset_next(-1)
+    with pytest.raises(ValueError, match="encoding='gzip'"):
+        fault_proxy.middlebox("gzip")
+    with pytest.raises(ValueError, match="cut='end'"):
+        fault_proxy.middlebox("close", "end")
+    with pytest.raises(ValueError, match="n=-1"):
+        fault_proxy.middlebox("close", "last", n=-1)
+
+
+def raw_get(client: Any, proxy: FaultProxy, key: str) -> bytes:
+    """Everything the proxy sends back for a presigned GET, up to the connection's end."""
+    url = urlsplit(client.generate_presigned_url("get_object", {"Bucket": BUCKET, "Key": key}))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        request = f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n"
+        sock.sendall(request.encode())
+        received = []
+        while data := sock.recv(1 << 16):
+            received.append(data)
+    return b"".join(received)
+
+
+def test_middlebox_reframes_and_cuts_bodies(client: Any, proxy: FaultProxy) -> None:
+    payload = os.urandom(150_000)  # three 64 KiB chunks when chunked
+    client.put_object(Bucket=BUCKET, Key="mb", Body=payload)
+
+    proxy.middlebox("close")
+    head, _, body = raw_get(client, proxy, "mb").partition(b"\r\n\r\n")
+    assert b"content-length" not in head.lower()
+    assert b"Connection: close" in head
+    assert body == payload
+
+    proxy.middlebox("chunked")
+    head, _, body = raw_get(client, proxy, "mb").partition(b"\r\n\r\n")
+    assert b"content-length" not in head.lower()
+    assert b"Transfer-Encoding: chunked" in head
+    assert body.endswith(b"\r\n0\r\n\r\n")
+    assert body.startswith(b"10000\r\n" + payload[:100])
+    assert get_bytes(client, "mb") == payload  # botocore decodes it whole
+
+    # Cut points: half the head, the head alone, half the body, all but the last byte.
+    proxy.middlebox("close", "header", n=1)
+    cut_head = raw_get(client, proxy, "mb")
+    assert b"\r\n\r\n" not in cut_head
+    assert cut_head.startswith(b"HTTP/1.1 200")
+    for cut, size in [("first", 0), ("middle", 75_000), ("last", 149_999)]:
+        proxy.middlebox("close", cut, n=1)
+        head, _, body = raw_get(client, proxy, "mb").partition(b"\r\n\r\n")
+        assert body == payload[:size], cut
+    proxy.middlebox("chunked", "last", n=1)
+    body = raw_get(client, proxy, "mb").partition(b"\r\n\r\n")[2]
+    assert body.endswith(payload[-100:-1])  # the last chunk's data without its last byte
+    # After n cuts, responses pass whole (still re-framed); the counters say what happened.
+    assert raw_get(client, proxy, "mb").partition(b"\r\n\r\n")[2].endswith(b"\r\n0\r\n\r\n")
+    assert proxy.cut == 5
+    assert proxy.rewritten == 9  # get_bytes' GET included
+
+    # Other methods pass untouched, and middlebox(None) turns it off.
+    assert client.head_object(Bucket=BUCKET, Key="mb")["ContentLength"] == len(payload)
+    proxy.middlebox(None)
+    assert b"Content-Length: 150000" in raw_get_keepalive_head(client, proxy, "mb")
+    assert proxy.rewritten == 9
+
+
+def raw_get_keepalive_head(client: Any, proxy: FaultProxy, key: str) -> bytes:
+    """The head of a presigned GET's answer, read over a connection left open."""
+    url = urlsplit(client.generate_presigned_url("get_object", {"Bucket": BUCKET, "Key": key}))
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        request = f"GET {url.path}?{url.query} HTTP/1.1\r\nHost: {url.netloc}\r\n\r\n"
+        sock.sendall(request.encode())
+        received = b""
+        while b"\r\n\r\n" not in received:
+            received += sock.recv(1 << 16)
+    return received.partition(b"\r\n\r\n")[0]
 
 
 def test_bucket_helpers_and_multipart_listing(seaweed: SeaweedFS) -> None:

@@ -11,6 +11,7 @@ from typing import IO, Any
 from ..errors import InvalidArgument, NotFound
 from ..stores import LocalStore, Store, Writer, open_store
 from ..stores._keys import check_key
+from ..stores.s3 import S3Store
 from ._threads import run_thread
 
 __all__ = ["Target", "resolve", "Sink", "Source"]
@@ -198,6 +199,9 @@ class StoreSource(Source):
         self._store, self._key = store, key
         self._fd: int | None = None
         self._fd_lock = threading.Lock()
+        # S3: the version (ETag) that size() saw; every read is pinned to it, so a save over
+        # the key during the load is reported as such rather than as a damaged checkpoint.
+        self._etag: str | None = None
 
     def fd(self) -> int:
         """The local file's descriptor, opened on first use (worker threads only).
@@ -250,11 +254,15 @@ class StoreSource(Source):
     async def size(self) -> int:
         if self.local_path is not None:
             return await run_thread(lambda: os.fstat(self.fd()).st_size)
-        return (await self._store.stat(self._key)).size
+        info = await self._store.stat(self._key)
+        self._etag = info.etag
+        return info.size
 
     async def read(self, start: int, end: int) -> bytes:
         if self.local_path is not None:
             return await run_thread(self._pread, start, end)
+        if isinstance(self._store, S3Store) and self._etag is not None:
+            return await self._store._get_pinned(self._key, start, end, self._etag)
         return await self._store.get(self._key, start, end)
 
     async def aclose(self) -> None:

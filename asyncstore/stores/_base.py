@@ -372,13 +372,16 @@ class BaseWriter(abc.ABC):
         """Append ``data``; the caller may reuse the buffer once this returns.
 
         Raises:
-            StoreClosed: the writer is not open (use it inside ``async with``).
+            StoreClosed: the writer is not open (use it inside ``async with``), or its store
+                was closed meanwhile.
         """
         if self._state != "open":
             raise StoreClosed(
                 f"writer for {self._store.where(self._key)} is {self._state}; "
                 "write inside its 'async with' block"
             )
+        if self._store._closed:
+            raise self._store_closed()
         view = as_buffer(data, self._store.where(self._key))
         if len(view):
             try:
@@ -398,6 +401,14 @@ class BaseWriter(abc.ABC):
     ) -> None:
         if self._state != "open":
             return
+        if self._store._closed:
+            # The owner closed the store while this writer was open: closing means "done with
+            # it", so nothing may appear under the key afterwards.
+            self._state = "aborted"
+            await self._shielded_abort()
+            if exc_type is None:
+                raise self._store_closed()
+            return
         if exc_type is None and self._failure is not None:
             self._state = "aborted"
             await self._shielded_abort()
@@ -416,6 +427,12 @@ class BaseWriter(abc.ABC):
         else:
             self._state = "aborted"
             await self._shielded_abort()
+
+    def _store_closed(self) -> StoreClosed:
+        return StoreClosed(
+            f"nothing was written to {self._store.where(self._key)}: its store was closed "
+            "while the writer was open; close the store only after its writers"
+        )
 
     async def _shielded_abort(self) -> None:
         # Shielded so that cancellation, the usual reason for an abort, cannot stop the

@@ -98,7 +98,9 @@ class SignedGetter:
         """GET bytes ``[start, end)`` of ``key`` (a full key, bucket prefix included).
 
         Returns the body and the response headers. Raises :class:`S3HTTPError` for an error
-        answer and aiohttp's errors for connection failures.
+        answer and aiohttp's errors for connection failures. The body is returned as
+        received: a close-delimited body cut short by a middlebox looks complete to aiohttp,
+        so the caller checks its length against ``Content-Range``/``Content-Length``.
         """
         url = self._base + quote(key, safe="/~")
         headers = {"Range": f"bytes={start}-{end - 1}"}

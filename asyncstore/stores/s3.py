@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import io
 import logging
 import os
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -29,6 +31,7 @@ import msgspec
 from botocore import exceptions as bex
 
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
+from . import _redact
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key
 from ._retry import with_retries
@@ -100,15 +103,22 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``auto`` uses path-style URLs with a custom ``endpoint_url`` (what S3-compatible
     servers expect) and botocore's choice otherwise."""
 
-    def __repr__(self) -> str:
+    def _masked_fields(self) -> list[tuple[str, Any]]:
         # Never let a secret reach a log line or a traceback through a repr.
-        fields = []
-        for name in self.__struct_fields__:
-            value = getattr(self, name)
-            if name in _SECRET_FIELDS and value is not None:
-                value = "***"
-            fields.append(f"{name}={value!r}")
-        return f"S3Config({', '.join(fields)})"
+        return [
+            (name, "***" if name in _SECRET_FIELDS and getattr(self, name) is not None
+             else getattr(self, name))
+            for name in self.__struct_fields__
+        ]  # fmt: skip
+
+    def __repr__(self) -> str:
+        """The options, with the secret key and the session token masked (also ``str``)."""
+        fields = ", ".join(f"{name}={value!r}" for name, value in self._masked_fields())
+        return f"S3Config({fields})"
+
+    def __rich_repr__(self) -> Any:
+        """What ``rich`` prints: msgspec's own would show the secrets."""
+        yield from self._masked_fields()
 
 
 def _resolved_endpoint(config: S3Config) -> str | None:
@@ -152,6 +162,26 @@ def _no_expect_header(params: dict[str, Any], **_: Any) -> None:
     bandwidth instead, which the retry policy bounds anyway.
     """
     params.get("headers", {}).pop("Expect", None)
+
+
+async def _keep_credentials_out_of_logs(session: Any, config: S3Config) -> None:
+    """Mask this store's credentials in botocore's DEBUG log (see :mod:`._redact`).
+
+    The values come from the options or, when those have none, from the AWS chain the client
+    resolved, so credentials from the environment or a profile are masked too.
+    """
+    secrets = [config.aws_secret_access_key, config.aws_session_token]
+    if config.aws_secret_access_key is None:
+        with contextlib.suppress(Exception):  # no credentials: nothing to mask
+            credentials = await session.get_credentials()
+            if credentials is not None:
+                frozen = credentials.get_frozen_credentials()
+                if inspect.isawaitable(frozen):  # aiobotocore's refreshable credentials
+                    frozen = await frozen
+                secrets += [frozen.secret_key, frozen.token]
+    for secret in secrets:
+        _redact.remember_secret(secret)
+    _redact.install()
 
 
 # -- error classification -----------------------------------------------------------------------
@@ -211,6 +241,8 @@ def _code(exc: BaseException) -> tuple[str, int]:
 
 
 def _retryable(exc: BaseException) -> bool:
+    if isinstance(exc, _ShortBody):
+        return True
     if isinstance(exc, bex.ClientError | S3HTTPError):
         code, status = _code(exc)
         return status >= 500 or status == 429 or code in _RETRY_CODES
@@ -218,7 +250,7 @@ def _retryable(exc: BaseException) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, S3HTTPError):
+    if isinstance(exc, S3HTTPError | _ShortBody):
         return str(exc)
     if isinstance(exc, bex.ClientError):
         code, status = _code(exc)
@@ -230,6 +262,56 @@ def _describe(exc: BaseException) -> str:
 
 class _Precondition(Exception):
     """The object changed between two requests of one operation (If-Match failed)."""
+
+
+class _ShortBody(Exception):
+    """A response whose body is not the length its headers (or the request) promised.
+
+    A connection closed early by a middlebox looks like the end of a close-delimited body, so
+    the length is checked on every read. Retried like a broken connection: the bytes are not
+    damaged at rest, the transfer was; after the last attempt it becomes
+    :class:`StoreUnavailable`.
+    """
+
+
+def _parse_content_range(value: str | None) -> tuple[int, int, int | None] | None:
+    """``"bytes 0-1023/4096"`` -> ``(0, 1024, 4096)``: the span ``[first, stop)`` and the total
+    (``None`` for ``*``); ``None`` when absent; :class:`_ShortBody` when unreadable."""
+    if not value:
+        return None
+    unit, _, rest = value.strip().partition(" ")
+    span, _, total = rest.partition("/")
+    first, _, last = span.partition("-")
+    if unit != "bytes" or not first.isdigit() or not last.isdigit():
+        raise _ShortBody(f"unreadable Content-Range {value!r}")
+    if not (total.isdigit() or total == "*"):
+        raise _ShortBody(f"unreadable Content-Range {value!r}")
+    return int(first), int(last) + 1, int(total) if total.isdigit() else None
+
+
+def _check_body(got: int, start: int, content_range: str | None, content_length: Any) -> int:
+    """Check a body of ``got`` bytes asked from offset ``start``; return the object's size.
+
+    The span of ``Content-Range`` (a 206) or else ``Content-Length`` (a 200, the whole object)
+    is what the server promised; a body of any other length was cut on the way. With neither
+    header the length cannot be checked, which is refused too: short bytes are never data.
+    """
+    parsed = _parse_content_range(content_range)
+    if parsed is not None:
+        first, stop, total = parsed
+        if first != start:
+            raise _ShortBody(f"asked for bytes from {start}, got {content_range!r}")
+        if got != stop - first:
+            raise _ShortBody(f"truncated body: got {got} of {stop - first} bytes")
+        return total if total is not None else stop
+    if content_length is None or not str(content_length).strip().isdigit():
+        raise _ShortBody(
+            f"a body of {got} bytes without Content-Length or Content-Range: its length "
+            "cannot be checked"
+        )
+    if got != int(content_length):
+        raise _ShortBody(f"truncated body: got {got} of {int(content_length)} bytes")
+    return got
 
 
 class S3Store(BaseStore):
@@ -251,6 +333,9 @@ class S3Store(BaseStore):
         self._client_cm: Any = None
         self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        # Writers still open: aclose() aborts their uploads while it still has a client.
+        self._writers: weakref.WeakSet[_S3Writer] = weakref.WeakSet()
 
     @property
     def bucket(self) -> str:
@@ -274,6 +359,8 @@ class S3Store(BaseStore):
 
     async def _get_client(self) -> Any:
         if self._client is not None:
+            if self._client_loop is not asyncio.get_running_loop():
+                raise self._wrong_loop()
             return self._client
         async with self._client_lock:
             self._check_open()
@@ -310,6 +397,7 @@ class S3Store(BaseStore):
                     )
                     client = await cm.__aenter__()
                     client.meta.events.register_last("before-call.s3", _no_expect_header)
+                    await _keep_credentials_out_of_logs(session, cfg)
                 except Exception as exc:
                     raise StoreError(
                         f"cannot create an S3 client for {self.url}: {_describe(exc)}"
@@ -323,15 +411,35 @@ class S3Store(BaseStore):
                         "credentials are configured (options, environment or AWS profile)"
                     ) from exc
                 self._client_cm, self._client = cm, client
+                self._client_loop = asyncio.get_running_loop()
+        if self._client_loop is not asyncio.get_running_loop():
+            raise self._wrong_loop()  # created by another loop while this one waited
         return self._client
+
+    def _wrong_loop(self) -> StoreError:
+        # Not recreated on the new loop: the old client's connections belong to the old loop
+        # (closed, typically, by asyncio.run) and could only be leaked, not closed.
+        return StoreError(
+            f"{self.url} was first used on another event loop, and its connections belong to "
+            "that loop (one asyncio.run() per store); open the store inside the loop that "
+            "uses it ('async with open_store(...)' in each asyncio.run), or open one per loop"
+        )
 
     async def _aclose(self) -> None:
         # Under the lock: a client being created right now is finished first and closed here;
         # one requested after this point is refused, as the store is already marked closed.
         with anyio.CancelScope(shield=True):
+            # A writer left open would otherwise keep its multipart upload (and its stored
+            # parts) forever: with the client gone, its own abort could not reach S3.
+            for writer in list(self._writers):
+                await writer._shielded_abort()
             async with self._client_lock:
                 cm, self._client, self._client_cm = self._client_cm, None, None
                 fast, self._fast = self._fast, None
+                if self._client_loop is not asyncio.get_running_loop():
+                    # Closed from another loop: the connections cannot be closed from here
+                    # (their loop is usually closed already); drop them.
+                    return
                 if fast is not None:
                     await fast.aclose()
                 if cm is not None:
@@ -346,6 +454,12 @@ class S3Store(BaseStore):
             )
 
     # -- request plumbing -------------------------------------------------------------------
+
+    def _replaced(self, key: str) -> StoreError:
+        return StoreError(
+            f"{self.where(key)} was replaced by another writer while it was being read (its "
+            "ETag changed); nothing of the new version was mixed in: read it again"
+        )
 
     def _error(self, exc: Exception, key: str, attempts: int = 1) -> Exception:
         where = self.where(key) if key else self.url
@@ -408,9 +522,14 @@ class S3Store(BaseStore):
     def _info(self, key: str, head: dict[str, Any], size: int | None = None) -> ObjectInfo:
         etag = head.get("ETag")
         modified = head.get("LastModified")
+        if size is None:
+            if head.get("ContentLength") is None:
+                # Not 0: a size taken as 0 makes a reader end at once with no bytes.
+                raise _ShortBody("the answer has no Content-Length: the size is unknown")
+            size = int(head["ContentLength"])
         return ObjectInfo(
             key=key,
-            size=int(head.get("ContentLength", 0) if size is None else size),
+            size=size,
             etag=etag.strip('"') if isinstance(etag, str) else None,
             mtime=modified.timestamp() if modified is not None else None,
         )
@@ -437,21 +556,42 @@ class S3Store(BaseStore):
                 raise
             tag = headers.get("ETag")
             content_range = headers.get("Content-Range")
-            total = _total_size(content_range, len(data))
-            if content_range is None and (start or end < len(data)):
-                data = data[start:end]  # the server ignored Range and sent everything
+            if content_range is None:
+                # The server ignored Range and sent the whole object: check it from 0.
+                total = _check_body(len(data), 0, None, headers.get("Content-Length"))
+                data = data[start:end]
+            else:
+                total = _check_body(len(data), start, content_range, None)
+                if start + len(data) != min(end, total):
+                    # A consistent header can still promise less than was asked for.
+                    raise _ShortBody(
+                        f"asked for bytes {start}-{end - 1}, got {content_range!r} of {total}"
+                    )
             return data, total, tag.strip('"') if tag else None
 
         return await self._call(key, "get", attempt)
 
-    async def _get(self, key: str, start: int, end: int | None) -> bytes:
+    async def _get_pinned(self, key: str, start: int, end: int, etag: str | None) -> bytes:
+        """Bytes ``[start, end)`` of exactly the version ``etag`` (from :meth:`stat`).
+
+        For a reader of several ranges of one object (the checkpoint loader): a concurrent
+        overwrite then raises :class:`StoreError` saying so, instead of mixing two versions
+        that only a checksum would catch, as "damaged".
+        """
+        self._check_open()
+        return await self._get(check_key(key, self.url), start, end, pin=etag)
+
+    async def _get(self, key: str, start: int, end: int | None, *, pin: str | None = None) -> bytes:
         if end is not None and start == end:
             await self._stat(key)  # an empty range still says whether the key exists
             return b""
         part = self._config.part_size
         for _ in range(3):
             first_end = start + part if end is None else min(end, start + part)
-            data, total, etag = await self._range(key, start, first_end, None)
+            try:
+                data, total, etag = await self._range(key, start, first_end, pin)
+            except _Precondition as exc:
+                raise self._replaced(key) from exc
             stop = total if end is None else min(end, total)
             if total < 0 or start + len(data) >= stop:
                 return data
@@ -477,11 +617,13 @@ class S3Store(BaseStore):
             except BaseExceptionGroup as group:
                 leaves = _leaves(group)
                 if all(isinstance(leaf, _Precondition) for leaf in leaves):
+                    if pin is not None:
+                        raise self._replaced(key) from None
                     continue  # overwritten mid-read: start again on the new version
                 # Parallel ranges fail for one reason in practice (the server went away):
                 # report that error rather than a group the caller would have to unpack.
                 raise next(e for e in leaves if not isinstance(e, _Precondition)) from None
-            return b"".join([data, *pieces])
+            return b"".join([data, *pieces])  # each piece's length was checked in _range
         raise self._error(_Precondition(), key)
 
     # -- put, stat, delete, list -------------------------------------------------------------
@@ -587,19 +729,12 @@ class S3Store(BaseStore):
                 return
 
     def _open_writer(self, key: str) -> BaseWriter:
-        return _S3Writer(self, key)
+        writer = _S3Writer(self, key)
+        self._writers.add(writer)
+        return writer
 
     def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
         return _S3Reader(self, key, chunk_size)
-
-
-def _total_size(content_range: str | None, fallback: int) -> int:
-    # "bytes 0-1023/4096" -> 4096
-    if content_range and "/" in content_range:
-        total = content_range.rsplit("/", 1)[1]
-        if total.isdigit():
-            return int(total)
-    return int(fallback)
 
 
 def _bytes(view: memoryview) -> bytes:
@@ -641,6 +776,7 @@ class _S3Writer(BaseWriter):
         self._buffer = io.BytesIO()
         self._upload_id: str | None = None
         self._tasks: list[asyncio.Task[dict[str, Any]]] = []
+        self._creating: asyncio.Future[str] | None = None
         self._next_part = 1
 
     def _part_size(self) -> int:
@@ -698,7 +834,14 @@ class _S3Writer(BaseWriter):
             )
             return str(resp["UploadId"])
 
-        return await self._store._call(self._key, "start upload", attempt)
+        # In a task of its own, shielded: once the request is sent, only its answer says which
+        # upload to abort, so a cancellation must not drop that answer. _abort() waits for it.
+        self._creating = asyncio.ensure_future(
+            self._store._call(self._key, "start upload", attempt)
+        )
+        upload_id = await asyncio.shield(self._creating)
+        self._creating = None
+        return upload_id
 
     async def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
         async def attempt(client: Any) -> dict[str, Any]:
@@ -711,7 +854,24 @@ class _S3Writer(BaseWriter):
             )
             return {"PartNumber": number, "ETag": resp["ETag"]}
 
-        return await self._store._call(self._key, f"upload part {number}", attempt)
+        return await self._upload_call(f"upload part {number}", attempt)
+
+    async def _upload_call(self, what: str, attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """A request on this writer's upload; says what happened if the upload is gone."""
+        try:
+            return await self._store._call(self._key, what, attempt)
+        except NotFound as exc:
+            if _code(exc.__cause__ or exc)[0] != "NoSuchUpload":
+                raise
+            # Not "does not exist": the key may well exist. Another writer of this key (a
+            # second process saving to it aborts unfinished uploads before it starts, see
+            # clean_up_writes) aborted this upload.
+            raise StoreError(
+                f"nothing was written to {self._store.where(self._key)}: another writer of the "
+                "same key aborted this writer's multipart upload (a second process saving to "
+                "it aborts unfinished uploads when it starts) and replaces the object; write "
+                "each key from one writer at a time"
+            ) from exc
 
     async def _commit(self) -> ObjectInfo:
         if self._upload_id is None:
@@ -734,7 +894,7 @@ class _S3Writer(BaseWriter):
                 )
             )
 
-        resp = await self._store._call(self._key, "complete upload", attempt)
+        resp = await self._upload_call("complete upload", attempt)
         self._upload_id = None  # committed: nothing left to abort
         info = self._store._info(self._key, {"ETag": resp.get("ETag")}, size=self._written)
         return msgspec.structs.replace(info, mtime=time.time())
@@ -747,6 +907,13 @@ class _S3Writer(BaseWriter):
                 await task
         self._tasks.clear()
         self._buffer = io.BytesIO()
+        creating, self._creating = self._creating, None
+        if creating is not None and self._upload_id is None:
+            # Cancelled while CreateMultipartUpload was in flight: learn the id to abort it.
+            try:
+                self._upload_id = await creating
+            except BaseException:
+                creating.cancel()  # failed (no upload), or our own cleanup timed out
         upload_id, self._upload_id = self._upload_id, None
         if upload_id is None:
             return
@@ -802,7 +969,47 @@ class _S3Reader(BaseReader):
                 raise _Precondition from exc
             raise
         self._body = resp["Body"]
+        try:
+            resp["ContentLength"] = await self._expected_length(client, resp)
+        except BaseException:
+            await self._drop_body()
+            raise
         return resp
+
+    async def _expected_length(self, client: Any, resp: dict[str, Any]) -> int:
+        """How many bytes this response's body must have, from its headers.
+
+        A resumed read must get a ``Content-Range`` starting at the offset asked for; a
+        first read without ``Content-Length`` (a close-delimited or chunked body, rewritten by
+        a middlebox) asks the size with a HEAD of the same version, so that a body cut short
+        is still noticed by the reader (see :meth:`_read`).
+        """
+        parsed = _parse_content_range(resp.get("ContentRange"))
+        if parsed is not None:
+            first, stop, total = parsed
+            if first != self._offset or (total is not None and stop != total):
+                raise _ShortBody(
+                    f"asked for bytes from {self._offset}, got {resp.get('ContentRange')!r}"
+                )
+            return stop - first
+        if self._offset:
+            raise _ShortBody("a resumed read was answered without Content-Range")
+        if resp.get("ContentLength") is not None:
+            return int(resp["ContentLength"])
+        etag = str(resp.get("ETag", "")).strip('"')
+        try:
+            head = await client.head_object(
+                Bucket=self._store.bucket,
+                Key=self._store._root + self._key,
+                **({"IfMatch": f'"{etag}"'} if etag else {}),
+            )
+        except bex.ClientError as exc:
+            if _code(exc)[1] == 412:
+                raise _Precondition from exc
+            raise
+        if head.get("ContentLength") is None:
+            raise _ShortBody("neither the GET nor a HEAD announced the size")
+        return int(head["ContentLength"])
 
     async def _open(self) -> ObjectInfo:
         # The reader holds a request slot for its lifetime: its connection is in use all along.
@@ -830,6 +1037,9 @@ class _S3Reader(BaseReader):
                         actual_bytes=self._offset, expected_bytes=self._size
                     )
             except Exception as exc:
+                # A body that ends before the size announced (a short read above, or aiohttp
+                # noticing a cut chunked body) is resumed from the offset, pinned to the
+                # version with If-Match; it never ends the read early.
                 if not _retryable(exc):
                     raise self._store._error(exc, self._key) from exc
                 failures += 1

@@ -20,6 +20,11 @@ _log = logging.getLogger("asyncstore.testing")
 _STREAM_LIMIT = 1 << 20  # longest request/response head or chunk-size line accepted
 _CHUNK = 1 << 16
 _ERROR_CODES = {429: "SlowDown", 500: "InternalError", 503: "ServiceUnavailable"}
+ENCODINGS = ("close", "chunked")
+"""Body framings :meth:`FaultProxy.middlebox` rewrites responses into."""
+CUTS = ("header", "first", "middle", "last")
+"""Where :meth:`FaultProxy.middlebox` cuts a rewritten response: inside its head, before the
+first body byte, in the middle of the body, just before its last byte."""
 
 _Write = Callable[[bytes], Awaitable[None]]
 
@@ -95,6 +100,19 @@ async def _copy_chunked(reader: asyncio.StreamReader, write: _Write) -> None:
             return
 
 
+def _unchunk(framed: bytes) -> bytes:
+    """The payload of a complete chunked body (chunk extensions and trailers dropped)."""
+    out: list[bytes] = []
+    pos = 0
+    while True:
+        eol = framed.index(b"\r\n", pos)
+        size = int(framed[pos:eol].split(b";", 1)[0].strip(), 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(framed[eol + 2 : eol + 2 + size])
+        pos = eol + 2 + size + 2
+
+
 async def _copy_body(reader: asyncio.StreamReader, write: _Write, head: _Head) -> None:
     if head.chunked:
         await _copy_chunked(reader, write)
@@ -104,6 +122,47 @@ async def _copy_body(reader: asyncio.StreamReader, write: _Write, head: _Head) -
 
 async def _discard(_: bytes) -> None:
     return None
+
+
+def _rewrite(head: _Head, body: bytes, encoding: str, cut: str | None) -> tuple[bytes, int]:
+    """Re-frame a response as ``encoding``; return it and how many of its bytes to send.
+
+    The head keeps every field but the framing ones (``Content-Length``,
+    ``Transfer-Encoding``, ``Connection``), so a client can only learn the body's length from
+    ``Content-Range``, or not at all.
+    """
+    lines = [head.start_line]
+    for line in head.raw.decode("latin-1").split("\r\n")[1:]:
+        name = line.partition(":")[0].strip().lower()
+        if line and name not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(line)
+    if encoding == "chunked":
+        lines.append("Transfer-Encoding: chunked")
+        pieces = [body[i : i + _CHUNK] for i in range(0, len(body), _CHUNK)]
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    else:
+        lines.append("Connection: close")  # the body ends where the connection does
+        framed = body
+    new_head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def position(index: int) -> int:
+        """Offset in ``framed`` of body byte ``index``."""
+        if encoding != "chunked":
+            return index
+        whole, within = divmod(index, _CHUNK)
+        before = whole * (len(b"%x\r\n" % _CHUNK) + _CHUNK + 2)
+        size = min(_CHUNK, len(body) - whole * _CHUNK)
+        return before + len(b"%x\r\n" % size) + within
+
+    response = new_head + framed
+    if cut is None:
+        return response, len(response)
+    if cut == "header":
+        return response, len(new_head) // 2
+    if cut == "first" or not body:
+        return response, len(new_head)
+    index = len(body) // 2 if cut == "middle" else len(body) - 1
+    return response, len(new_head) + position(index)
 
 
 def _rst(writer: asyncio.StreamWriter) -> None:
@@ -161,6 +220,7 @@ class _Pending:
 
     method: str
     reset_after: int | None  # response bytes to pass before a reset; None: no reset
+    rewrite: tuple[str, str | None] | None = None  # middlebox (encoding, cut); None: relay
 
 
 class _Connection:
@@ -196,8 +256,9 @@ class FaultProxy:
 
     Counters (plain ints, safe to read from any thread): ``connections`` (accepted client
     connections, refused ones included), ``requests`` (request heads received),
-    ``requests_forwarded``, ``failed`` (error responses injected) and ``resets`` (connections
-    reset by :meth:`reset_next`).
+    ``requests_forwarded``, ``failed`` (error responses injected), ``resets`` (connections
+    reset by :meth:`reset_next`), ``rewritten`` and ``cut`` (responses re-framed and cut by
+    :meth:`middlebox`).
 
     Args:
         upstream_host: host of the server to forward to.
@@ -209,6 +270,8 @@ class FaultProxy:
     requests_forwarded: int
     failed: int
     resets: int
+    rewritten: int
+    cut: int
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream_host = upstream_host
@@ -220,6 +283,9 @@ class FaultProxy:
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._conns: set[_Connection] = set()
+        self._middlebox: str | None = None  # the encoding of middlebox(); None: off
+        self._cut: str | None = None
+        self._middlebox_match: str | None = None
         self.reset()
 
     @property
@@ -278,6 +344,49 @@ class FaultProxy:
         with self._lock:
             self._reset_left, self._reset_after, self._reset_match = n, after_bytes, match
 
+    def middlebox(
+        self,
+        encoding: str | None,
+        cut: str | None = None,
+        n: int = 1,
+        match: str | None = None,
+    ) -> None:
+        """Act as a middlebox that re-frames the bodies of responses to GET requests.
+
+        While on, every response to a GET whose request line contains ``match`` (every GET
+        when ``None``) is read whole from the server and sent on with its body framed as
+        ``encoding``: ``"close"`` (no ``Content-Length``; the body ends when the proxy closes
+        the connection, which it does after the response) or ``"chunked"``
+        (``Transfer-Encoding: chunked``, in 64 KiB chunks). With ``cut``, the next ``n`` of
+        those responses are cut short and the connection closed with an orderly FIN, the
+        way a middlebox that gives up looks to the client: at ``"header"`` (half the
+        head), ``"first"`` (the whole head, no body byte), ``"middle"`` (half the body) or
+        ``"last"`` (all but the body's last byte). Responses after those pass whole, still
+        re-framed. Responses to other methods (HEAD, PUT, ...) pass untouched. Faults set
+        with :meth:`fail_next`, :meth:`reset_next` and :meth:`stall` come first. Replaces
+        any earlier setting; ``middlebox(None)`` or :meth:`reset` turns it off.
+
+        Args:
+            encoding: ``"close"``, ``"chunked"`` or ``None`` (off).
+            cut: one of ``"header"``, ``"first"``, ``"middle"``, ``"last"``, or ``None`` to
+                re-frame without cutting.
+            n: how many responses to cut.
+            match: re-frame only GETs whose request line contains this text.
+
+        Raises:
+            ValueError: for an unknown encoding or cut, or a negative ``n``.
+        """
+        if encoding is not None and encoding not in ENCODINGS:
+            raise ValueError(f"invalid middlebox(encoding={encoding!r}): one of {ENCODINGS}")
+        if cut is not None and cut not in CUTS:
+            raise ValueError(f"invalid middlebox(cut={cut!r}): one of {CUTS}")
+        if n < 0:
+            raise ValueError(f"invalid middlebox(n={n})")
+        with self._lock:
+            self._middlebox = encoding
+            self._cut, self._cut_left = cut, (n if cut is not None else 0)
+            self._middlebox_match = match
+
     def stall(self, on: bool) -> None:
         """While on, read new requests but neither answer nor forward them.
 
@@ -312,8 +421,10 @@ class FaultProxy:
             self._fail_left, self._fail_status, self._fail_match = 0, 503, None
             self._reset_left, self._reset_after, self._reset_match = 0, 0, None
             self._stall = self._refuse = False
+            self._middlebox = self._cut = self._middlebox_match = None
+            self._cut_left = 0
             self.connections = self.requests = self.requests_forwarded = 0
-            self.failed = self.resets = 0
+            self.failed = self.resets = self.rewritten = self.cut = 0
         self._in_loop(lambda: self._close_conns(lambda c: c.stalled))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -439,6 +550,7 @@ class FaultProxy:
             with self._lock:
                 self.requests += 1
                 action, status, reset_after = "forward", 0, None
+                rewrite: tuple[str, str | None] | None = None
                 if self._stall:
                     action = "stall"
                 elif self._fail_left > 0 and (
@@ -452,6 +564,16 @@ class FaultProxy:
                 ):
                     self._reset_left -= 1
                     reset_after = self._reset_after
+                elif (
+                    self._middlebox is not None
+                    and head.start_line.startswith("GET ")
+                    and (self._middlebox_match is None or self._middlebox_match in head.start_line)
+                ):
+                    cut = None
+                    if self._cut_left > 0:
+                        self._cut_left -= 1
+                        cut = self._cut
+                    rewrite = (self._middlebox, cut)
             if action == "stall":
                 conn.stalled = True
                 if not expect_continue:
@@ -469,9 +591,15 @@ class FaultProxy:
             else:
                 if self.latency > 0:
                     await asyncio.sleep(self.latency)
-                await self._forward(conn, head, reset_after)
+                await self._forward(conn, head, reset_after, rewrite)
 
-    async def _forward(self, conn: _Connection, head: _Head, reset_after: int | None) -> None:
+    async def _forward(
+        self,
+        conn: _Connection,
+        head: _Head,
+        reset_after: int | None,
+        rewrite: tuple[str, str | None] | None = None,
+    ) -> None:
         if conn.upstream is None:
             # Opened lazily so that injected errors never leave an upstream exchange half done.
             conn.upstream = await asyncio.open_connection(
@@ -488,7 +616,8 @@ class FaultProxy:
         with self._lock:
             self.requests_forwarded += 1
         # Registered before the head goes out, so the relay always finds it.
-        conn.pending.append(_Pending(head.start_line.split(" ", 1)[0].upper(), reset_after))
+        method = head.start_line.split(" ", 1)[0].upper()
+        conn.pending.append(_Pending(method, reset_after, rewrite))
         conn.body_done = False
         await write_up(head.raw)
         await _copy_body(conn.reader, write_up, head)
@@ -524,6 +653,11 @@ class FaultProxy:
                 conn.writer.write(head.raw)
                 await conn.writer.drain()
                 continue
+            if request.rewrite is not None and status not in (204, 304):
+                if conn.pending:
+                    conn.pending.popleft()
+                await self._relay_rewritten(conn, up_reader, head, *request.rewrite)
+                return False  # closed after a close-delimited or cut body: see there
             down.budget = request.reset_after
             await down.write(head.raw)
             if conn.pending:
@@ -541,6 +675,39 @@ class FaultProxy:
             if not conn.body_done:
                 return False  # answered before the client sent its whole body; cannot resync
         return down.budget is not None
+
+    async def _relay_rewritten(
+        self,
+        conn: _Connection,
+        up_reader: asyncio.StreamReader,
+        head: _Head,
+        encoding: str,
+        cut: str | None,
+    ) -> None:
+        """Send one response re-framed by the middlebox, cut if asked.
+
+        The connection is closed afterwards in every case (an orderly FIN), which a
+        close-delimited body needs anyway and which a keep-alive client survives.
+        """
+        parts: list[bytes] = []
+
+        async def collect(data: bytes) -> None:
+            parts.append(data)
+
+        if head.chunked or "content-length" in head.headers:
+            await _copy_body(up_reader, collect, head)
+            if head.chunked:  # keep the payload, not the server's framing
+                parts = [_unchunk(b"".join(parts))]
+        else:
+            while data := await up_reader.read(_CHUNK):
+                parts.append(data)
+        response, send = _rewrite(head, b"".join(parts), encoding, cut)
+        with self._lock:
+            self.rewritten += 1
+            if cut is not None:
+                self.cut += 1
+        conn.writer.write(response[:send])
+        await conn.writer.drain()
 
     async def _reset_client(self, conn: _Connection) -> None:
         # Flush asyncio's buffer first: an RST discards whatever has not reached the kernel.
