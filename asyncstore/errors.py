@@ -42,8 +42,8 @@ class InvalidKey(InvalidArgument):
 
     Empty keys, absolute paths, empty, ``.`` or ``..`` segments, NUL bytes, keys over 1024
     UTF-8 bytes, segments over 255 UTF-8 bytes (the longest file name a local disk takes) and
-    segments reserved by asyncstore (``.asyncstore*``) are refused, for every store alike, so a key that works in one store works in all of them and can never escape a
-    store's root.
+    segments reserved by asyncstore (``.asyncstore*``) are refused, for every store alike, so
+    a key that works in one store works in all of them and can never escape a store's root.
     """
 
 

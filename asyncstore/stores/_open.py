@@ -198,9 +198,7 @@ def _prefix(path: str, shown: str) -> str:
         scheme, _, rest = shown.partition("://")
         netloc = rest.split("/", 1)[0]
         meant = f"{scheme}://{netloc}/" + "/".join(s for s in path.split("/") if s)
-        raise InvalidURL(
-            f"store URL {shown!r} has an empty path segment ('//'); write {meant!r}"
-        )
+        raise InvalidURL(f"store URL {shown!r} has an empty path segment ('//'); write {meant!r}")
     prefix = path.strip("/")
     if prefix:
         try:
