@@ -64,6 +64,8 @@ def test_plain_paths_are_relative_to_cwd_and_expand_home(
         ("file:///tmp/b?x=1", "query or fragment"),
         ("file:///tmp/b#x", "query or fragment"),
         ("file://[::1/tmp", "malformed"),
+        ("file://user:pw@localhost/tmp", "embeds credentials"),
+        ("./file:x\x00", "NUL byte"),
         ("s3://bucket//x", "empty path segment.*'s3://bucket/x'"),
         ("s3://bucket/x//", "empty path segment.*'s3://bucket/x'"),
         ("s3://bucket/a/../b", "malformed path"),
