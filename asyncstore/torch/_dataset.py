@@ -78,7 +78,7 @@ def _store_options(store: Store) -> dict[str, Any]:
 def _check_keys(keys: object, url: str) -> list[str]:
     if isinstance(keys, str | bytes) or not isinstance(keys, Iterable):
         raise InvalidArgument(
-            f"keys={_show(keys)}: pass a list of keys such as ['train/0.jpg'], not "
+            f"keys={keys!r:.100}: pass a list of keys such as ['train/0.jpg'], not "
             f"{'a single key' if isinstance(keys, str | bytes) else type(keys).__name__}"
         )
     listed = list(keys)
@@ -90,11 +90,6 @@ def _check_keys(keys: object, url: str) -> list[str]:
         except InvalidKey as exc:
             raise InvalidKey(f"keys[{index}]: {exc}") from None
     return listed
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else f"{text[:100]}… ({len(text)} characters)"
 
 
 class StreamingDataset(IterableDataset[T], Generic[T]):
