@@ -42,6 +42,21 @@ _FIRST_FETCHES = 4
 _STALL_SECONDS = 0.0005
 
 
+def check_window(lookahead: object, max_inflight: object) -> None:
+    """Raise :class:`InvalidArgument` unless ``lookahead`` and ``max_inflight`` are valid
+    :class:`Prefetcher` arguments (also checked by callers that create one later)."""
+    if lookahead != "auto" and (
+        isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1
+    ):
+        raise InvalidArgument(f"lookahead={lookahead!r}: pass a positive int or 'auto'")
+    _check_positive("max_inflight", max_inflight)
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+
+
 class PrefetchStats(msgspec.Struct):
     """A snapshot of a :class:`Prefetcher`'s counters.
 
@@ -104,13 +119,8 @@ class Prefetcher:
             raise InvalidArgument(
                 f"keys={keys!r}: pass an iterable or async iterable of keys, not a single key"
             )
-        if lookahead != "auto" and (
-            isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1
-        ):
-            raise InvalidArgument(f"lookahead={lookahead!r}: pass a positive int or 'auto'")
-        for name, value in (("max_inflight", max_inflight), ("max_bytes", max_bytes)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+        check_window(lookahead, max_inflight)
+        _check_positive("max_bytes", max_bytes)
         if on_error not in ("raise", "skip"):
             raise InvalidArgument(f"on_error={on_error!r}: use 'raise' or 'skip'")
         self._source = source

@@ -41,9 +41,9 @@ class InvalidKey(InvalidArgument):
     """Raised when a key is not a valid ``/``-separated relative path.
 
     Empty keys, absolute paths, empty, ``.`` or ``..`` segments, NUL bytes, keys over 1024
-    UTF-8 bytes and segments reserved by asyncstore (``.asyncstore*``) are refused, for every
-    store alike, so a key that works in one store works in all of them and can never escape a
-    store's root.
+    UTF-8 bytes, segments over 255 UTF-8 bytes (the longest file name a local disk takes) and
+    segments reserved by asyncstore (``.asyncstore*``) are refused, for every store alike, so
+    a key that works in one store works in all of them and can never escape a store's root.
     """
 
 

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import asyncstore
+import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreUnavailable, UnsafeCheckpoint
 from asyncstore.checkpoint import read_manifest, staging_pool
 from asyncstore.checkpoint._target import StoreSource
@@ -1065,3 +1066,57 @@ async def test_saves_cancelled_at_random_moments_give_every_slab_back(tmp_path: 
     )
     assert_same(state, await asyncstore.load(tmp_path / "final.ckpt"))
     pool.trim()
+
+
+# The sync adapters (asyncstore.torch.save / save_async / load): every bad argument is an
+# InvalidArgument naming the parameter, never a bare TypeError.
+BAD_SYNC_SAVE: list[tuple[dict[str, Any], str]] = [
+    ({"bogus": 1}, "bogus="),
+    ({"compresion": "zstd"}, "compresion="),
+    ({"compression": "lz4"}, "compression="),
+    ({"level": "high"}, "level="),
+    ({"chunk_bytes": 0}, "chunk_bytes="),
+    ({"staging_bytes": -1}, "staging_bytes="),
+    ({"exclude": 5}, "exclude="),
+    ({"metadata": [1]}, "metadata="),
+    ({"priority": "high"}, "priority="),
+    ({"store_options": ["fsync"]}, "store_options="),
+    ({"store_options": {"fsync": "yes"}}, "fsync="),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), BAD_SYNC_SAVE)
+def test_sync_save_arguments(tmp_path: Path, kwargs: dict[str, Any], name: str) -> None:
+    for save in (asyncstore.torch.save, asyncstore.torch.save_async):
+        with pytest.raises(InvalidArgument) as caught:
+            save({"w": torch.ones(1)}, tmp_path / "x.ckpt", **kwargs)
+        assert name in str(caught.value)
+    assert not (tmp_path / "x.ckpt").exists()
+
+
+BAD_SYNC_LOAD: list[tuple[dict[str, Any], str]] = [
+    ({"bogus": 1}, "bogus="),
+    ({"weights_only": 1}, "weights_only="),
+    ({"keys": "w"}, "keys="),
+    ({"keys": 5}, "keys="),
+    ({"into": [1]}, "into="),
+    ({"safe_globals": 5}, "safe_globals="),
+    ({"safe_globals": "collections.OrderedDict"}, "safe_globals="),
+    ({"store_options": ["fsync"]}, "store_options="),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "name"), BAD_SYNC_LOAD)
+def test_sync_load_arguments(tmp_path: Path, kwargs: dict[str, Any], name: str) -> None:
+    asyncstore.torch.save({"w": torch.ones(1)}, tmp_path / "x.ckpt")
+    with pytest.raises(InvalidArgument) as caught:
+        asyncstore.torch.load(tmp_path / "x.ckpt", **kwargs)
+    assert name in str(caught.value)
+
+
+@pytest.mark.parametrize("f", [None, 42, b"/tmp/x.ckpt", ""])
+def test_sync_adapters_refuse_bad_targets(f: Any) -> None:
+    with pytest.raises(InvalidArgument):
+        asyncstore.torch.save({"w": torch.ones(1)}, f)
+    with pytest.raises(InvalidArgument):
+        asyncstore.torch.load(f)

@@ -206,6 +206,8 @@ BAD_KEYS = [
     ".",
     "nul\x00",
     "k" * 1025,
+    "k" * 256,
+    "d/" + "é" * 128,  # 256 bytes in UTF-8
     ".asyncstore-tmp-x",
     "d/.asyncstore",
     "\udc80",
@@ -234,6 +236,36 @@ async def test_invalid_keys(store: asyncstore.Store, key: str) -> None:
 async def test_non_str_key(store: asyncstore.Store) -> None:
     with pytest.raises(InvalidKey, match="bytes, not a str"):
         await store.get(b"k")  # type: ignore[arg-type]
+
+
+# The longest file name local disks take (NAME_MAX), in ASCII and in 2-byte UTF-8.
+LONGEST_SEGMENTS = ["s" * 255, "é" * 127 + "s"]
+
+
+@pytest.mark.parametrize("segment", LONGEST_SEGMENTS)
+async def test_longest_segment_works_on_every_store(store: asyncstore.Store, segment: str) -> None:
+    # A key one store takes, every store takes: the local store's temporary file beside a
+    # 255-byte name must fit in a file name too.
+    key = f"d/{segment}/{segment}"
+    await store.put(key, b"v")
+    async with store.open_writer(segment) as writer:
+        await writer.write(b"w")
+    assert await store.get(key) == b"v"
+    assert await store.get(segment, 0, 1) == b"w"
+    assert (await store.stat(key)).size == 1
+    assert [i.key async for i in store.list()] == sorted([key, segment])
+    assert [i.key async for i in store.list(f"d/{segment}/")] == [key]
+
+
+async def test_a_segment_over_255_bytes_is_refused_on_every_store(store: asyncstore.Store) -> None:
+    segment = "s" * 256
+    with pytest.raises(
+        InvalidKey, match=r"segment 's{50}.* is 256 bytes in UTF-8, over the limit of 255"
+    ):
+        await store.put(f"d/{segment}", b"v")
+    with pytest.raises(InvalidKey, match="256 bytes"):
+        store.list(f"d/{segment}")
+    assert [i.key async for i in store.list()] == []
 
 
 @pytest.mark.parametrize("prefix", ["/a", "a//b", "../", "a/../"])

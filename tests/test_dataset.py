@@ -175,3 +175,91 @@ def test_bad_arguments(dataset_dir: Path) -> None:
         ds.load_state_dict({"epoch": 0, "consumed": 3})
     with pytest.raises(InvalidArgument, match="seed"):
         ds.load_state_dict({"epoch": 0, "consumed": 4, "seed": 99})
+
+
+# Every public argument: a bad value is refused at construction, before any worker starts,
+# with the parameter's name in the message.
+BAD_DATASET_ARGUMENTS: list[tuple[str, object]] = [
+    ("keys", "abc"),
+    ("keys", b"abc"),
+    ("keys", 5),
+    ("keys", []),
+    ("keys", ["train/0000.bin", 7]),
+    ("keys", ["train/0000.bin", "../escape"]),
+    ("cache_dir", 5),
+    ("cache_dir", ""),
+    ("memory_bytes", 0),
+    ("memory_bytes", 1.5),
+    ("disk_bytes", -5),
+    ("disk_bytes", 0),
+    ("disk_bytes", True),
+    ("shuffle", "yes"),
+    ("seed", 1.5),
+    ("seed", None),
+    ("decode", "utf-8"),
+    ("lookahead", -1),
+    ("lookahead", 0),
+    ("lookahead", "deep"),
+    ("lookahead", 2.5),
+    ("max_inflight", 0),
+    ("max_inflight", -3),
+    ("max_inflight", "32"),
+    ("cache_policy", "fifo"),
+    ("batch_size", 0),
+    ("store_options", ["fsync"]),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_DATASET_ARGUMENTS)
+def test_every_argument_is_checked(
+    dataset_dir: Path, tmp_path: Path, name: str, value: object
+) -> None:
+    kwargs: dict[str, object] = {name: value}
+    if name == "disk_bytes":
+        kwargs["cache_dir"] = tmp_path / "cache"
+    with pytest.raises(InvalidArgument) as caught:
+        StreamingDataset(dataset_dir / "train", **kwargs)  # type: ignore[arg-type]
+    assert name in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"rank": 0}, "world_size"),
+        ({"rank": "0", "world_size": 2}, "rank"),
+        ({"rank": -1, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"rank": 0, "world_size": 1.0}, "world_size"),
+        ({"disk_bytes": 1 << 20}, "cache_dir"),
+        ({"store_options": {"fsync": "yes"}}, "fsync='yes'"),
+    ],
+)
+def test_arguments_checked_together(
+    dataset_dir: Path, kwargs: dict[str, object], name: str
+) -> None:
+    with pytest.raises(InvalidArgument) as caught:
+        StreamingDataset(dataset_dir / "train", **kwargs)  # type: ignore[arg-type]
+    assert name in str(caught.value)
+
+
+@pytest.mark.anyio
+async def test_store_options_with_an_open_store_are_refused(dataset_dir: Path) -> None:
+    import asyncstore
+
+    async with asyncstore.open_store(dataset_dir / "train") as store:
+        with pytest.raises(InvalidArgument, match="store_options"):
+            StreamingDataset(store, store_options={"fsync": False})
+
+
+def test_local_store_with_a_percent_in_its_path_reopens_in_workers(tmp_path: Path) -> None:
+    import asyncstore
+
+    # Workers reopen the store from what the dataset kept: the path, not the URL shown,
+    # whose '%20' would decode to a different directory.
+    root = tmp_path / "a%20b"
+    root.mkdir()
+    (root / "k").write_bytes(b"k")
+    store = asyncstore.open_store(root)
+    ds: StreamingDataset[str] = StreamingDataset(store, decode=key_of)
+    assert list(ds) == ["k"]
+    ds.close()

@@ -213,9 +213,14 @@ async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:
     ("kwargs", "match"),
     [
         ({"lookahead": 0}, "lookahead=0"),
+        ({"lookahead": -1}, "lookahead=-1"),
         ({"lookahead": "deep"}, "lookahead='deep'"),
+        ({"lookahead": 2.5}, "lookahead=2.5"),
+        ({"lookahead": True}, "lookahead=True"),
         ({"max_inflight": 0}, "max_inflight=0"),
+        ({"max_inflight": "32"}, "max_inflight='32'"),
         ({"max_bytes": -1}, "max_bytes=-1"),
+        ({"max_bytes": None}, "max_bytes=None"),
         ({"on_error": "ignore"}, "on_error='ignore'"),
     ],
 )

@@ -351,9 +351,16 @@ async def load(
         raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
     wanted = None
     if keys is not None:
-        if isinstance(keys, str):
-            raise InvalidArgument(f"keys={keys!r}: pass a list of entry names, not one str")
+        if isinstance(keys, str) or not isinstance(keys, Iterable):
+            raise InvalidArgument(
+                f"keys={keys!r}: pass a list of entry names such as ['model'], not one str"
+            )
         wanted = list(keys)
+    if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
+        raise InvalidArgument(
+            f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
+            "[collections.OrderedDict]"
+        )
     if into is not None:
         if not isinstance(into, dict):
             raise InvalidArgument(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import stat
 import threading
 from typing import IO, Any
 
-from ..errors import InvalidArgument, NotFound
+from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound
 from ..stores import LocalStore, Store, Writer, open_store
 from ..stores._keys import check_key
+from ..stores._open import is_local, local_path, open_local
 from ..stores.s3 import S3Store
 from ._threads import run_thread
 
@@ -95,25 +95,33 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
     if isinstance(target, str):
         if not target:
             raise InvalidArgument("empty checkpoint path; pass a path, URL or (store, key)")
-        if "://" in target:
+        options = _store_options(store_options)
+        if is_local(target):
+            # One URL-to-path function for every entry point: file:///d/my%20dir/a%20b.ckpt
+            # is the file 'a b.ckpt' in '/d/my dir', exactly as open_store reads it.
+            path = local_path(target)
+            if os.path.isdir(path):
+                raise InvalidArgument(
+                    f"checkpoint path {target!r} is a directory; name a file inside it"
+                )
+            directory, key = os.path.split(path)
+            resolved = _Resolved(open_local(directory, options), key, None)
+            resolved.local_path = path
+        else:
             head, _, key = target.rstrip("/").rpartition("/")
             if not key or head.endswith((":/", "://")):
                 raise InvalidArgument(
                     f"checkpoint URL {target!r} names no object: add a file name, "
                     "as in 's3://bucket/run1/step-1000.ckpt'"
                 )
-            resolved = _Resolved(open_store(head, **(store_options or {})), key, None)
-            if head.startswith("file://"):
-                resolved.local_path = head.removeprefix("file://") + "/" + key
-        else:
-            path = os.path.abspath(target)
-            if os.path.isdir(path):
-                raise InvalidArgument(
-                    f"checkpoint path {target!r} is a directory; name a file inside it"
+            if head.endswith("/"):
+                # 's3://bucket//x.ckpt' and 's3://b/run//x.ckpt': the empty segment is part
+                # of the key on S3, and open_store refuses it in a prefix too.
+                raise InvalidURL(
+                    f"checkpoint URL {target!r} has an empty path segment ('//'); write "
+                    f"{head.rstrip('/') + '/' + key!r}"
                 )
-            directory, key = os.path.split(path)
-            resolved = _Resolved(open_store(directory, **(store_options or {})), key, None)
-            resolved.local_path = path
+            resolved = _Resolved(open_store(head, **options), key, None)
         if resolved.key is not None and resolved.store is not None:
             check_key(resolved.key, resolved.store.url)
         resolved.owned = True
@@ -127,6 +135,17 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
         f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "
         f"('s3://bucket/run/step.ckpt'), a (store, key) pair or {kind} binary file object"
     )
+
+
+def _store_options(options: object) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise InvalidArgument(
+            f"store_options={options!r}: pass a dict of open_store options, such as "
+            "{'endpoint_url': 'http://127.0.0.1:8333'}"
+        )
+    return options
 
 
 class StoreSink(Sink):
@@ -217,19 +236,15 @@ class StoreSource(Source):
             return self._fd
 
     def _open(self) -> int:
-        path = self.local_path
-        assert path is not None
+        # A local path comes with a local store (see resolve): its checks apply, a symlink
+        # may not lead outside its directory, and a FIFO or device is refused, not waited on.
+        assert isinstance(self._store, LocalStore)
         try:
-            if isinstance(self._store, LocalStore):
-                # The store's own checks: a symlink may not lead outside its directory.
-                path = self._store._path_for_read(self._key)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            return self._store._open_regular(self._key)
         except OSError as exc:
+            if isinstance(exc, AsyncStoreError):
+                raise
             raise self._translate(exc) from exc
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise NotFound(f"{self.url} is not a file")
-        return fd
 
     def _translate(self, exc: OSError) -> Exception:
         if isinstance(self._store, LocalStore):

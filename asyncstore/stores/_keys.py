@@ -11,6 +11,10 @@ from ..errors import InvalidArgument, InvalidKey
 MAX_KEY_BYTES = 1024
 """S3's limit on the length of an object key, applied to every store alike."""
 
+MAX_SEGMENT_BYTES = 255
+"""The longest segment (a file or directory name on local disk: NAME_MAX), applied to every
+store alike, so that a key S3 takes is one a local store can hold too."""
+
 RESERVED_PREFIX = ".asyncstore"
 """Segments starting with this are reserved: local stores keep their temporary files there."""
 
@@ -30,6 +34,7 @@ def check_key(key: object, where: str) -> str:
         and key
         and key.isascii()
         and len(key) <= MAX_KEY_BYTES
+        and (len(key) <= MAX_SEGMENT_BYTES or _segments_fit(key))
         and key[0] not in "/."
         and key[-1] != "/"
         and "/." not in key
@@ -77,6 +82,8 @@ def check_prefix(prefix: object, where: str) -> str:
                 break
         if reason is None and last in (".", ".."):
             reason = "'.' and '..' segments are not allowed"
+        if reason is None:
+            reason = _length_problem(last)  # no key could start with it
     if reason is not None:
         raise InvalidKey(f"invalid prefix {_show(prefix)} for {where}: {reason}; {_EXAMPLE}")
     return prefix
@@ -127,6 +134,20 @@ def _problem(text: str) -> str | None:
     return None
 
 
+def _segments_fit(key: str) -> bool:
+    return max(map(len, key.split("/"))) <= MAX_SEGMENT_BYTES
+
+
+def _length_problem(segment: str) -> str | None:
+    size = len(segment.encode("utf-8", "surrogatepass"))
+    if size > MAX_SEGMENT_BYTES:
+        return (
+            f"segment {_show(segment)} is {size} bytes in UTF-8, over the limit of "
+            f"{MAX_SEGMENT_BYTES} (the longest file name local disks take); split it with '/'"
+        )
+    return None
+
+
 def _segment_problem(segment: str) -> str | None:
     if segment == "":
         return "empty segments ('//' or a trailing '/') are not allowed"
@@ -134,7 +155,7 @@ def _segment_problem(segment: str) -> str | None:
         return "'.' and '..' segments are not allowed"
     if segment.startswith(RESERVED_PREFIX):
         return f"segments starting with {RESERVED_PREFIX!r} are reserved for asyncstore's own files"
-    return None
+    return _length_problem(segment)
 
 
 def _show(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from typing import Any, TypeVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 import msgspec
 
@@ -58,28 +58,12 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
         raise InvalidURL(f"empty store URL; use {_SCHEMES}")
     if "\x00" in url:
         raise InvalidURL(f"store URL {_redact(url)!r} contains a NUL byte")
-    if "://" not in url:
-        return _local(os.path.abspath(url), options)
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
+    if is_local(url):
+        return open_local(local_path(url), options)
     shown = _redact(url)
-    if parts.username is not None or parts.password is not None:
-        raise InvalidURL(
-            f"store URL {shown!r} embeds credentials; pass them as options "
-            "(aws_access_key_id=…, aws_secret_access_key=…) or through the environment"
-        )
-    if parts.query or parts.fragment:
-        raise InvalidURL(f"store URL {shown!r} has a query or fragment; asyncstore uses neither")
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise InvalidURL(
-                f"file URL {shown!r} names host {parts.netloc!r}; local paths are "
-                "file:///absolute/path (three slashes)"
-            )
-        path = unquote(parts.path)
-        if not path.startswith("/"):
-            raise InvalidURL(f"file URL {shown!r} needs an absolute path: file:///absolute/path")
-        return _local(path, options)
+    parts = _split(url, shown)
+    scheme = parts.scheme.lower()
+    _check_url_parts(parts.username, parts.password, parts.query, parts.fragment, shown)
     if scheme == "memory":
         name = parts.netloc
         if not name:
@@ -119,7 +103,67 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     raise InvalidURL(f"unknown scheme {parts.scheme!r} in store URL {shown!r}; use {_SCHEMES}")
 
 
-def _local(path: str, options: dict[str, Any]) -> LocalStore:
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a local path: a ``file:`` URL or a plain path."""
+    return "://" not in url or url[:5].lower() == "file:"
+
+
+def local_path(url: str) -> str:
+    """The absolute, normalised local path that a ``file:`` URL or a plain path names.
+
+    The one place where every entry point (``open_store``, checkpoint targets, the
+    ``torch.save``/``torch.load`` adapters) turns a local URL into a path, so that they all
+    agree. A ``file:`` URL (``file:///abs``, ``file://localhost/abs``, ``file:/abs``) is
+    percent-decoded (``my%20dir`` is ``my dir``); its path must be absolute, and empty,
+    ``.`` and ``..`` segments are refused rather than resolved behind the caller's back. A
+    plain path is taken as the OS takes it: relative to the current directory, with a
+    leading ``~`` expanded to the home directory.
+
+    Raises:
+        InvalidURL: a ``file:`` URL names another host, embeds credentials, has a query,
+            a fragment, a relative path, a refused segment, a NUL byte or bytes that are not
+            UTF-8 once decoded; or a plain path contains a NUL byte.
+    """
+    shown = _redact(url)
+    if "\x00" in url:
+        raise InvalidURL(f"local path {shown!r} contains a NUL byte")
+    if url[:5].lower() != "file:":
+        return os.path.abspath(os.path.expanduser(url))
+    parts = _split(url, shown)
+    _check_url_parts(parts.username, parts.password, parts.query, parts.fragment, shown)
+    if parts.netloc.lower() not in ("", "localhost"):
+        raise InvalidURL(
+            f"file URL {shown!r} names host {parts.hostname!r}; asyncstore reads local files "
+            "only: write file:///absolute/path (three slashes)"
+        )
+    raw = parts.path
+    if not raw.startswith("/"):
+        raise InvalidURL(f"file URL {shown!r} needs an absolute path: file:///absolute/path")
+    try:
+        path = unquote(raw, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidURL(
+            f"file URL {shown!r} is not UTF-8 once percent-decoded; asyncstore takes UTF-8 "
+            "file names"
+        ) from None
+    if "\x00" in path:
+        raise InvalidURL(f"file URL {shown!r} contains a NUL byte (%00)")
+    segments = path.split("/")[1:]
+    if segments[-1] == "":
+        segments.pop()  # one trailing '/' is a directory's usual spelling
+    if any(segment in ("", ".", "..") for segment in segments):
+        # Resolved lexically, '..' would differ from what the OS does through a symlink:
+        # refuse, and show the URL the caller probably meant.
+        meant = "file://" + quote(os.path.normpath(path))
+        raise InvalidURL(
+            f"file URL {shown!r} has an empty, '.' or '..' segment; asyncstore does not "
+            f"resolve them: write the path itself, for example {meant!r}"
+        )
+    return os.path.normpath(path)
+
+
+def open_local(path: str, options: dict[str, Any]) -> LocalStore:
+    """A local store at ``path`` (from :func:`local_path`) with ``options``."""
     config = _config(LocalConfig, options, f"file://{path}")
     root = os.path.normpath(path)
     if os.path.isfile(root):
@@ -127,7 +171,34 @@ def _local(path: str, options: dict[str, Any]) -> LocalStore:
     return LocalStore(root, config)
 
 
+def _split(url: str, shown: str) -> SplitResult:
+    try:
+        return urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL" and the like
+        raise InvalidURL(f"store URL {shown!r} is malformed: {exc}") from None
+
+
+def _check_url_parts(
+    username: str | None, password: str | None, query: str, fragment: str, shown: str
+) -> None:
+    if username is not None or password is not None:
+        raise InvalidURL(
+            f"store URL {shown!r} embeds credentials; pass them as options "
+            "(aws_access_key_id=…, aws_secret_access_key=…) or through the environment"
+        )
+    if query or fragment:
+        raise InvalidURL(f"store URL {shown!r} has a query or fragment; asyncstore uses neither")
+
+
 def _prefix(path: str, shown: str) -> str:
+    # One '/' separates the bucket or name from the prefix, and one may end it: any other
+    # empty segment ('s3://bucket//x') is refused, never silently dropped, since 'x' and
+    # '/x' are different keys on S3.
+    if path.startswith("//") or path.endswith("//"):
+        scheme, _, rest = shown.partition("://")
+        netloc = rest.split("/", 1)[0]
+        meant = f"{scheme}://{netloc}/" + "/".join(s for s in path.split("/") if s)
+        raise InvalidURL(f"store URL {shown!r} has an empty path segment ('//'); write {meant!r}")
     prefix = path.strip("/")
     if prefix:
         try:

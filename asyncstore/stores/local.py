@@ -101,6 +101,56 @@ class LocalStore(BaseStore):
             )
         return path
 
+    def _open_regular(self, key: str) -> int:
+        """Open the regular file at ``key`` for reading; return its descriptor (worker threads
+        only; the caller closes it).
+
+        Raises:
+            NotFound: nothing, a directory, or a file that is not regular (a FIFO, socket or
+                device) is at the key.
+            PermissionDenied: the key leads outside the store's directory.
+            OSError: any other failure, for :meth:`_run` to translate.
+        """
+        path = self._path_for_read(key)
+        # O_NONBLOCK: opening a FIFO for reading waits for a writer, forever, in a thread that
+        # no cancellation or timeout reaches (and that keeps the process from exiting); a
+        # device may block likewise. The type is then checked on the open descriptor, so
+        # nothing can be swapped in between the check and the reads.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # what opening a unix socket answers
+                raise
+            raise self._not_regular(key, os.stat(path).st_mode) from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if not statmod.S_ISREG(mode):
+                raise self._not_regular(key, mode)
+            os.set_blocking(fd, True)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _not_regular(self, key: str, mode: int) -> NotFound:
+        # Only regular files are objects: list() skips everything else, so stat() and the
+        # reads answer NotFound for them too, saying what is there instead.
+        if statmod.S_ISDIR(mode):
+            return NotFound(f"{self.where(key)} does not exist (it is a directory of keys)")
+        kind = (
+            "a FIFO (named pipe)"
+            if statmod.S_ISFIFO(mode)
+            else "a socket"
+            if statmod.S_ISSOCK(mode)
+            else "a device"
+            if statmod.S_ISCHR(mode) or statmod.S_ISBLK(mode)
+            else "not a regular file"
+        )
+        return NotFound(
+            f"{self.where(key)} is {kind}, not an object: a local store reads only regular "
+            "files (and lists no others)"
+        )
+
     def _dir_for_write(self, key: str) -> str:
         """Create the key's directory and return the key's path, checking it stays inside."""
         path = os.path.join(self._root, key)
@@ -165,7 +215,8 @@ class LocalStore(BaseStore):
                 continue
             path = os.path.join(directory, entry)
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # O_NONBLOCK: a FIFO given a reserved name must not block the cleanup.
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
             try:
@@ -200,7 +251,7 @@ class LocalStore(BaseStore):
     # -- operations (each runs whole in one worker thread) ------------------------------------
 
     def _get_sync(self, key: str, start: int, end: int | None) -> bytes:
-        with open(self._path_for_read(key), "rb", buffering=0) as f:
+        with open(self._open_regular(key), "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             stop = size if end is None else min(end, size)
             if start >= stop:
@@ -232,7 +283,7 @@ class LocalStore(BaseStore):
     def _stat_sync(self, key: str) -> ObjectInfo:
         st = os.stat(self._path_for_read(key))
         if not statmod.S_ISREG(st.st_mode):
-            raise FileNotFoundError(errno.ENOENT, "not a file")
+            raise self._not_regular(key, st.st_mode)
         return self._info(key, st)
 
     async def _stat(self, key: str) -> ObjectInfo:
@@ -511,11 +562,9 @@ class _LocalReader(BaseReader):
         self._file: IO[bytes] | None = None
 
     def _open_sync(self) -> ObjectInfo:
-        f = open(self._store._path_for_read(self._key), "rb", buffering=0)  # noqa: SIM115
+        f = open(self._store._open_regular(self._key), "rb", buffering=0)  # noqa: SIM115
         try:
             st = os.fstat(f.fileno())
-            if not statmod.S_ISREG(st.st_mode):
-                raise FileNotFoundError(errno.ENOENT, "not a file")
         except BaseException:
             f.close()
             raise

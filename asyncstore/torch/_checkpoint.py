@@ -14,6 +14,7 @@ from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
+from ..errors import InvalidArgument
 
 __all__ = ["save", "save_async", "load"]
 
@@ -38,6 +39,16 @@ def _finish_pending() -> None:
 atexit.register(_finish_pending)  # after the bridge's own: runs before it stops the loop
 
 
+def _check_options(options: dict[str, Any], allowed: frozenset[str], func: str) -> None:
+    # The async functions would raise a bare TypeError for a misspelt option.
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise InvalidArgument(
+            f"{func}() got unknown option(s) {', '.join(f'{name}=' for name in unknown)}; the "
+            f"options are: {', '.join(sorted(allowed))}"
+        )
+
+
 async def _save_and_wait(obj: Any, f: Any, options: SaveOptions) -> SaveResult:
     handle = await _save(obj, f, **options)
     return await handle.wait()
@@ -52,6 +63,7 @@ def save(obj: Any, f: Any, **options: Unpack[SaveOptions]) -> SaveResult:
     complete. Options (``compression``, ``level``, ``chunk_bytes``, ``staging_bytes``,
     ``exclude``, ``metadata``, ``store_options``) as for :func:`asyncstore.save`.
     """
+    _check_options(dict(options), SaveOptions.__optional_keys__, "save")
     return run_sync(_save_and_wait(obj, f, options))
 
 
@@ -66,6 +78,7 @@ def save_async(
     the save's error. Errors in the arguments raise here, at once. Options as for
     :func:`save`.
     """
+    _check_options(dict(options), SaveOptions.__optional_keys__, "save_async")
     handle = run_sync(_save(obj, f, **options))
     future = asyncio.run_coroutine_threadsafe(handle.wait(), bridge_loop())
     _PENDING.add(future)
@@ -81,4 +94,5 @@ def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> An
     (``weights_only``, ``keys``, ``into``, ``safe_globals``, ``store_options``) as for
     :func:`asyncstore.load`.
     """
+    _check_options(dict(options), LoadOptions.__optional_keys__, "load")
     return run_sync(_load(f, map_location=map_location, **options))

@@ -7,7 +7,7 @@ import math
 import multiprocessing
 import os
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -17,10 +17,11 @@ import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._loop import run_sync
-from .._prefetch import Prefetcher, PrefetchStats
+from .._prefetch import Prefetcher, PrefetchStats, check_window
 from ..cache import CacheStats, TieredCache
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, InvalidKey
 from ..stores import LocalStore, S3Store, Store, open_store
+from ..stores._keys import check_key
 
 T = TypeVar("T")
 
@@ -74,6 +75,23 @@ def _store_options(store: Store) -> dict[str, Any]:
     return {}
 
 
+def _check_keys(keys: object, url: str) -> list[str]:
+    if isinstance(keys, str | bytes) or not isinstance(keys, Iterable):
+        raise InvalidArgument(
+            f"keys={keys!r:.100}: pass a list of keys such as ['train/0.jpg'], not "
+            f"{'a single key' if isinstance(keys, str | bytes) else type(keys).__name__}"
+        )
+    listed = list(keys)
+    if not listed:
+        raise InvalidArgument("keys=[]: pass at least one key, or None to list the source")
+    for index, key in enumerate(listed):
+        try:
+            check_key(key, url)
+        except InvalidKey as exc:
+            raise InvalidKey(f"keys[{index}]: {exc}") from None
+    return listed
+
+
 class StreamingDataset(IterableDataset[T], Generic[T]):
     """Stream a dataset's objects from a store, through a tiered cache and prefetch.
 
@@ -121,8 +139,22 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         store_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        # Everything is checked here, before any worker starts: a worker opens the store,
+        # the cache and the prefetcher from these values, where an error would surface only
+        # as a failed DataLoader worker.
+        if store_options is not None and not isinstance(store_options, dict):
+            raise InvalidArgument(
+                f"store_options={store_options!r}: pass a dict of open_store options"
+            )
         if isinstance(source, Store):
-            self._url = source.url
+            if store_options:
+                raise InvalidArgument(
+                    f"store_options={store_options!r} was given with an open store; they "
+                    "apply only when source is a URL (the store keeps its own options)"
+                )
+            # A local store reopens from its path: its URL shows the path undecoded, and a
+            # name holding '%' or '#' would not read back as the same path.
+            self._url = source.root if isinstance(source, LocalStore) else source.url
             self._options = _store_options(source)
         elif isinstance(source, str | os.PathLike):
             self._url = os.fspath(source)
@@ -133,12 +165,42 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         for name, value in (("memory_bytes", memory_bytes), ("batch_size", batch_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name}={value!r}: pass a positive int")
+        if cache_dir is not None and (
+            not isinstance(cache_dir, str | os.PathLike) or not os.fspath(cache_dir)
+        ):
+            raise InvalidArgument(f"cache_dir={cache_dir!r}: pass a directory path, or None")
+        if disk_bytes is not None:
+            if isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes < 1:
+                raise InvalidArgument(f"disk_bytes={disk_bytes!r}: pass a positive int, or None")
+            if cache_dir is None:
+                raise InvalidArgument(
+                    f"disk_bytes={disk_bytes!r} was given without cache_dir, the directory "
+                    "that budget is for; pass both or neither"
+                )
+        if not isinstance(shuffle, bool):
+            raise InvalidArgument(f"shuffle={shuffle!r}: pass True or False")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise InvalidArgument(f"seed={seed!r}: pass an int")
+        if decode is not None and not callable(decode):
+            raise InvalidArgument(
+                f"decode={decode!r}: pass a function decode(key, data) -> sample, or None"
+            )
+        check_window(lookahead, max_inflight)
         if cache_policy not in ("lru", "plan"):
             raise InvalidArgument(f"cache_policy={cache_policy!r}: use 'plan' or 'lru'")
         if (rank is None) != (world_size is None):
-            raise InvalidArgument("pass rank and world_size together, or neither")
-        if world_size is not None and rank is not None and not 0 <= rank < world_size:
-            raise InvalidArgument(f"rank={rank} is not in range(world_size={world_size})")
+            raise InvalidArgument(
+                f"rank={rank!r}, world_size={world_size!r}: pass rank and world_size "
+                "together, or neither"
+            )
+        if world_size is not None:
+            if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+                raise InvalidArgument(f"world_size={world_size!r}: pass a positive int")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+                raise InvalidArgument(
+                    f"rank={rank!r} is not in range(world_size={world_size}): pass an int "
+                    "from 0 to world_size - 1"
+                )
         self._cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
         self._memory_bytes = memory_bytes
         self._disk_bytes = disk_bytes if disk_bytes is not None else 64 << 30
@@ -161,7 +223,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._yielded = 0
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
-        self._keys = list(keys) if keys is not None else self._listing()
+        self._keys = self._listing() if keys is None else _check_keys(keys, self._url)
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
 
