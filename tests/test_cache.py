@@ -463,7 +463,7 @@ async def test_key_lists_are_not_strings(source: CountingStore) -> None:
             with pytest.raises(InvalidArgument, match=r"keys='obj/001'"):
                 method("obj/001")
         for bad in (0, -1, True, 1.5, None):
-            with pytest.raises(InvalidArgument, match="^concurrency="):
+            with pytest.raises(InvalidArgument, match=r"^concurrency="):
                 await cache.warm(["obj/001"], concurrency=bad)  # type: ignore[arg-type]
         assert source.gets == []
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_every_flipped_byte_of_an_entry_is_caught(tmp_path: Path) -> None:
 async def test_reads_through_damaged_entries_get_the_stores_bytes(
     store: asyncstore.Store, tmp_path: Path
 ) -> None:
-    options = {"memory_bytes": 1, "disk_dir": tmp_path, "disk_bytes": 1 << 20}
+    options: dict[str, Any] = {"memory_bytes": 1, "disk_dir": tmp_path, "disk_bytes": 1 << 20}
     # validate="etag" keeps the object's ETag in the entry: flips land in it too.
     async with TieredCache(store, validate="etag", ttl=float("inf"), **options) as cache:
         assert await cache.get("data/k") == VALUE

@@ -206,7 +206,7 @@ def test_stores_with_the_same_keys_share_a_directory_across_processes(
     cache = str(tmp_path / "cache")
     s3 = s3_options(seaweedfs)
     same_memory = unique("same")
-    stores = [
+    stores: list[dict[str, Any]] = [
         # Two processes with a memory store of the same name: different objects.
         {"url": f"memory://{same_memory}", "options": {}, "tag": "mem-1"},
         {"url": f"memory://{same_memory}", "options": {}, "tag": "mem-2"},
