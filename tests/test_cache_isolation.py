@@ -171,21 +171,25 @@ async def main(spec):
         if spec["put"]:
             for key in keys:
                 await store.put(key, value(spec["tag"], key))
-        async with TieredCache(
-            store, memory_bytes=1, disk_dir=spec["cache"], disk_bytes=8 << 20,
-            block_bytes=2048,
-        ) as cache:
-            for _ in range(4):
-                for key in keys:
-                    expected = value(spec["tag"], key)
-                    got = await cache.get(key)
-                    part = await cache.get(key, 1000, 5000)
-                    tail = await cache.get(key, 3000)
-                    if (got, part, tail) != (expected, expected[1000:5000], expected[3000:]):
-                        print("WRONG", key, got[:40], flush=True)
-                        sys.exit(3)
-            s = cache.stats()
-            print("OK", s.disk.hits, s.disk.corrupt, flush=True)
+        # Twice: closing the first cache lands its disk writes, the second reads them.
+        for _ in range(2):
+            async with TieredCache(
+                store, memory_bytes=1, disk_dir=spec["cache"], disk_bytes=8 << 20,
+                block_bytes=2048,
+            ) as cache:
+                for _ in range(2):
+                    for key in keys:
+                        expected = value(spec["tag"], key)
+                        got = await cache.get(key)
+                        part = await cache.get(key, 1000, 5000)
+                        tail = await cache.get(key, 3000)
+                        if (got, part, tail) != (
+                            expected, expected[1000:5000], expected[3000:]
+                        ):
+                            print("WRONG", key, got[:40], flush=True)
+                            sys.exit(3)
+        s = cache.stats()
+        print("OK", s.disk.hits, s.disk.corrupt, flush=True)
 
 asyncio.run(main(json.loads(sys.argv[1])))
 """
