@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -16,6 +17,7 @@ import asyncstore
 from asyncstore import InvalidArgument, NotFound
 from asyncstore.cache import TieredCache
 from asyncstore.cache._disk import DiskTier
+from asyncstore.cache._tiered import RANGE_WINDOW
 from asyncstore.stores import MemoryStore, drop_memory_store
 from asyncstore.testing import SeaweedFS
 
@@ -147,7 +149,7 @@ async def test_corrupt_disk_entries_are_dropped_and_refetched(
     ) as cache:
         await cache.get("obj/003")
         await cache.get("obj/004")
-    entry3 = DiskTier(tmp_path, 1 << 20)
+    entry3 = DiskTier(tmp_path, 1 << 20, source.identity)
     path3 = Path(entry3.path_for(entry3.name_for("obj/003")))
     path4 = Path(entry3.path_for(entry3.name_for("obj/004")))
     entry3.close()
@@ -195,7 +197,7 @@ async def test_full_disk_tier_stays_within_budget(source: CountingStore, tmp_pat
     async with TieredCache(source, memory_bytes=1, disk_dir=tmp_path, disk_bytes=budget) as cache:
         for i in range(20):
             await cache.get(f"obj/{i:03d}")
-    tier = DiskTier(tmp_path, budget)
+    tier = DiskTier(tmp_path, budget, source.identity)
     try:
         assert tier.used_bytes() <= budget
         assert 0 < tier.entry_count() < 20
@@ -362,7 +364,7 @@ async def test_invalidate_during_a_fetch_keeps_nothing_stale(source: CountingSto
 
 
 def test_replacement_too_large_leaves_no_stale_entry(tmp_path: Path) -> None:
-    tier = DiskTier(tmp_path, 256 * KiB)
+    tier = DiskTier(tmp_path, 256 * KiB, "memory://test")
     try:
         assert tier.write("k", b"old" * 100, None)
         assert not tier.write("k", b"x" * (250 * KiB), None)  # fits the budget, not the limit
@@ -371,3 +373,111 @@ def test_replacement_too_large_leaves_no_stale_entry(tmp_path: Path) -> None:
         assert not list(tmp_path.glob("*/*.entry"))
     finally:
         tier.close()
+
+
+# -- ranges are clipped to the object, like the store's own ranged reads --------------------
+
+
+async def test_a_range_far_past_the_end_costs_one_read(source: CountingStore) -> None:
+    await source.put("small", b"0123456789")
+    async with TieredCache(source, memory_bytes=1 << 20, block_bytes=16 * KiB) as cache:
+        for end in (10**11, 2**63):
+            source.gets.clear()
+            assert await cache.get("small", 0, end) == b"0123456789"
+            assert len(source.gets) <= 1  # the first block is short: that is the end
+        source.gets.clear()
+        assert await cache.get("small", 2**62, 2**63) == b""
+        assert await cache.get("small", 2**62) == b""
+        assert len(source.gets) == 2  # one empty read each, and nothing kept for them
+
+
+async def test_a_long_range_over_a_large_object_stops_at_its_end(source: CountingStore) -> None:
+    data = bytes(range(256)) * 400  # 100 KiB: 7 blocks of 16 KiB
+    await source.put("big", data)
+    async with TieredCache(source, memory_bytes=1, block_bytes=16 * KiB) as cache:
+        assert await cache.get("big", 0, 2**63) == data
+        assert len(source.gets) <= 1 + RANGE_WINDOW  # not 2**63 / 16 KiB of them
+
+
+@pytest.mark.parametrize("size", [0, 10, 16 * KiB, 40 * KiB])
+async def test_cached_ranges_match_the_stores(source: CountingStore, size: int) -> None:
+    data = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    await source.put("obj", data)
+    block = 16 * KiB
+    offsets = [0, 1, block - 1, block, block + 1, size - 1, size, size + 1, 3 * block, 10**12]
+    offsets = sorted({o for o in offsets if o >= 0})
+    async with TieredCache(source, memory_bytes=1, block_bytes=block) as cache:
+        for start in [None, *offsets]:
+            for end in [None, *offsets]:
+                if end is not None and end < (start or 0):
+                    continue
+                expected = await source.get("obj", start, end)
+                assert await cache.get("obj", start, end) == expected, (start, end)
+        with pytest.raises(NotFound):
+            await cache.get("missing", 0, 10**12)
+
+
+# -- arguments ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"ttl": float("nan")}, "ttl"),
+        ({"ttl": -1}, "ttl"),
+        ({"ttl": "60"}, "ttl"),
+        ({"ttl": True}, "ttl"),
+        ({"memory_bytes": 0}, "memory_bytes"),
+        ({"block_bytes": 1.5}, "block_bytes"),
+        ({"disk_dir": 123, "disk_bytes": 1 << 20}, "disk_dir"),
+        ({"disk_dir": "", "disk_bytes": 1 << 20}, "disk_dir"),
+        ({"disk_dir": "/tmp/x", "disk_bytes": -5}, "disk_bytes"),
+        ({"policy": "fifo"}, "policy"),
+        ({"validate": "md5"}, "validate"),
+    ],
+)
+async def test_bad_arguments_name_the_parameter(
+    source: CountingStore, options: dict[str, Any], named: str
+) -> None:
+    arguments: dict[str, Any] = {"memory_bytes": 1 << 20, **options}
+    with pytest.raises(InvalidArgument, match=f"^{named}="):
+        TieredCache(source, **arguments)
+
+
+async def test_infinite_ttl_checks_each_object_once(source: CountingStore) -> None:
+    async with TieredCache(
+        source, memory_bytes=1 << 20, validate="etag", ttl=float("inf")
+    ) as cache:
+        for _ in range(3):
+            assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
+        assert cache.stats().store.revalidations == 0  # the GET itself gave the ETag
+
+
+async def test_key_lists_are_not_strings(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=1 << 20, policy="plan") as cache:
+        with pytest.raises(InvalidArgument, match=r"warm\(keys='abc'\)"):
+            await cache.warm("abc")
+        with pytest.raises(InvalidArgument, match=r"warm\(keys=5\)"):
+            await cache.warm(5)  # type: ignore[arg-type]
+        for method in (cache.pin, cache.unpin, cache.plan):
+            with pytest.raises(InvalidArgument, match=r"keys='obj/001'"):
+                method("obj/001")
+        for bad in (0, -1, True, 1.5, None):
+            with pytest.raises(InvalidArgument, match=r"^concurrency="):
+                await cache.warm(["obj/001"], concurrency=bad)  # type: ignore[arg-type]
+        assert source.gets == []
+
+
+async def test_warm_raises_the_stores_error(source: CountingStore) -> None:
+    async with TieredCache(source, memory_bytes=1 << 20) as cache:
+        with pytest.raises(NotFound) as caught:
+            await cache.warm(["obj/001", "missing/1", "obj/002"])
+        assert "missing/1" in str(caught.value)
+
+        async def keys() -> AsyncIterator[str]:
+            for key in ("obj/003", "missing/2"):
+                yield key
+
+        with pytest.raises(NotFound, match="missing/2"):
+            await cache.warm(keys())
+        assert await cache.warm([f"obj/{i:03d}" for i in range(20)], concurrency=3) == 20

@@ -4,6 +4,7 @@ fill up or turn read-only under the cache."""
 from __future__ import annotations
 
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -80,9 +81,8 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
     victim.send_signal(signal.SIGKILL)  # somewhere in a read, a write or an eviction
     victim.communicate(timeout=30)
     # A temp file as a killed writer leaves it (its pid is gone), to be cleaned up.
-    shard = cache / "00"
-    shard.mkdir(parents=True, exist_ok=True)  # the workers may not have made it yet
-    (shard / f".tmp-{victim.pid}-deadbeefcafe").write_bytes(b"partial")
+    (cache / "tmp").mkdir(parents=True, exist_ok=True)  # the workers may not have made it yet
+    (cache / "tmp" / f"{victim.pid}-deadbeefcafe").write_bytes(b"partial")
     late = [spawn(dataset, cache, budget, seed=s, rounds=300) for s in range(10, 12)]
     for proc in workers + late:
         out, err = proc.communicate(timeout=120)
@@ -91,10 +91,11 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
         assert status == "OK"
         assert corrupt == "0"
         assert enabled == "1"
-    tier = DiskTier(cache, budget)  # opening cleans leftovers of dead processes
+    # Opening cleans leftovers of dead processes.
+    tier = DiskTier(cache, budget, f"file://{dataset}")
     try:
         assert tier.used_bytes() <= budget
-        assert not list(cache.glob("*/.tmp-*"))
+        assert not list((cache / "tmp").iterdir())
         served = 0
         for i in range(KEYS):
             entry = tier.read(f"k/{i:03d}")  # raises IntegrityError on a damaged entry
@@ -154,3 +155,79 @@ async def test_read_only_disk_switches_the_tier_off(dataset: Path, tiny_fs: Path
             for i in range(10):
                 assert await cache.get(f"k/{i:03d}") == payload(i)
             assert not cache.stats().disk.enabled
+
+
+VICTIM = """
+import sys
+from asyncstore.cache._disk import DiskTier
+
+tier = DiskTier(sys.argv[1], int(sys.argv[2]), "file:///victim")
+print("READY", flush=True)
+sys.stdin.readline()
+# One batch: every temp file is written, then publishing waits for the index lock.
+tier.write_many([(f"v/{i}", bytes([i % 256]) * (16 << 10), None) for i in range(int(sys.argv[3]))])
+"""
+
+
+def _left_by(pids: set[int], directory: Path) -> list[Path]:
+    # Temp files name their writer's pid (format 1 put them in shards as ".tmp-PID-…").
+    prefixes = tuple(p for pid in pids for p in (f"{pid}-", f".tmp-{pid}-"))
+    return [f for f in directory.rglob("*") if f.name.startswith(prefixes)]
+
+
+def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    budget = 3 << 20
+    batch = 80  # 80 x 16 KiB per victim: four of them hold about 5 MiB, over the budget
+    survivor = DiskTier(cache, budget, "file:///survivor")  # opened before the kills
+    victims = [
+        subprocess.Popen(
+            [sys.executable, "-c", VICTIM, str(cache), str(budget), str(batch)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    pids = {v.pid for v in victims}
+    try:
+        for victim in victims:
+            assert victim.stdout is not None
+            assert victim.stdout.readline().strip() == "READY"
+        # Hold the index's write lock: the victims write their temp files, then wait.
+        lock = sqlite3.connect(cache / "index.sqlite", isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        for victim in victims:
+            assert victim.stdin is not None
+            victim.stdin.write("go\n")
+            victim.stdin.flush()
+        deadline = time.monotonic() + 120
+        while len(_left_by(pids, cache)) < batch * len(victims):
+            assert time.monotonic() < deadline, "the victims did not write their batches"
+            time.sleep(0.05)
+        for victim in victims:
+            victim.send_signal(signal.SIGKILL)  # in the middle of their write batch
+            victim.wait(timeout=30)
+        lock.execute("ROLLBACK")
+        lock.close()
+        assert _dir_bytes(cache) > budget  # what the killed writers left
+        # The survivor keeps writing, and gives their bytes back without reopening.
+        deadline = time.monotonic() + 120
+        i = 0
+        while _left_by(pids, cache):
+            assert time.monotonic() < deadline, "dead writers' temp files were never reclaimed"
+            assert survivor.write(f"s/{i}", bytes([i % 256]) * (16 << 10), None)
+            i += 1
+            time.sleep(0.05)
+        assert _dir_bytes(cache) <= budget
+        assert survivor.used_bytes() <= budget
+    finally:
+        for victim in victims:
+            if victim.poll() is None:
+                victim.kill()
+            victim.communicate(timeout=30)  # and close its pipes
+        survivor.close()
+
+
+def _dir_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())

@@ -4,12 +4,19 @@ Layout::
 
     DIR/index.sqlite        the shared index: one row per entry (name, size, last access)
     DIR/ab/abcdef….entry    entries, sharded by the first byte of their name
-    DIR/ab/.tmp-PID-RAND    an entry being written (invisible until renamed)
+    DIR/tmp/PID-RAND        an entry being written (invisible until renamed into its shard)
 
-An entry's name is the xxh3-128 of its cache key. Its file holds a header (magic, format
-version, payload length, xxh3-64 of the payload, the key and the source's ETag) and the
-payload. Readers check all of it, so a torn, truncated, foreign or bit-flipped file is never
-served: it is dropped and counted, and the caller refetches.
+An entry's name is the xxh3-128 of its source (the store's :attr:`~asyncstore.Store.identity`)
+and its cache key: stores sharing a directory never share names. Its file holds a header
+(magic, format version, an xxh3-64 checksum, the lengths) followed by the source, the key,
+the source's ETag and the payload; the checksum covers everything after itself. Readers check
+all of it, so a torn, truncated, foreign, older-format or bit-flipped file is never served:
+it is dropped and counted, and the caller refetches.
+
+Temp files live in one directory, named by their writer's pid, so finding those of killed
+writers costs one small listing: writers do it as they go (at most every
+``RECLAIM_INTERVAL`` seconds), not only when a process opens the directory, and the bytes
+a killed writer left stop escaping the budget while the survivors run.
 
 Why SQLite for the index: several processes insert and evict at once, and the budget is one
 number for all of them. A transaction (``BEGIN IMMEDIATE``) makes "account for the new entry,
@@ -40,9 +47,12 @@ import xxhash
 from ..errors import IntegrityError
 
 _MAGIC = b"ASCE"
-_VERSION = 1
-# magic, version, payload length, payload xxh3-64, key length, etag length
-_HEADER = struct.Struct("<4sHQQHH")
+# 2: the source's identity in the name and the header, and the checksum over the whole
+# header. Entries of version 1 fail the version check: dropped as damaged, then refetched.
+_VERSION = 2
+# magic, version, xxh3-64 of everything after it; then payload, source, key and ETag lengths
+_HEADER = struct.Struct("<4sHQQIII")
+_CHECKED_FROM = struct.calcsize("<4sHQ")  # where the checksummed part begins
 TOUCH_BATCH = 256
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
@@ -54,14 +64,28 @@ class WouldBlock:
 WOULD_BLOCK = WouldBlock()
 """Returned by :meth:`DiskTier.read_cached` when serving the entry would wait for the disk."""
 _STALE_TMP_SECONDS = 3600.0
+_TMP = "tmp"
+
+RECLAIM_INTERVAL = 1.0
+"""Seconds between two looks, by one writing process, for temp files of dead writers: a
+listing of the temp directory (a few names per live writer) and a liveness check per pid."""
 
 
 class DiskTier:
     """A cache directory with a hard byte budget, safe to share between processes."""
 
-    def __init__(self, directory: str | os.PathLike[str], budget: int) -> None:
+    def __init__(self, directory: str | os.PathLike[str], budget: int, identity: str) -> None:
+        """Open (or create) the tier in ``directory``.
+
+        ``identity`` is the source's :attr:`~asyncstore.Store.identity`: entries are named
+        and checked by it plus their key, so sources sharing the directory stay apart.
+        """
         self.directory = Path(directory)
         self.budget = budget
+        self.identity = identity
+        self._identity_bytes = identity.encode()
+        # Length first: no (identity, key) pair can be spelled by another pair.
+        self._name_prefix = f"{len(self._identity_bytes)}:{identity}\x00"
         # Two locks: _db_lock serialises this process's use of the SQLite connection (and may
         # be held while SQLite waits for another process); _touch_lock only guards the batch
         # of access times, so the inline read path on the event loop never waits on SQLite.
@@ -73,7 +97,9 @@ class DiskTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._root = str(self.directory)
         self._shards: set[str] = set()  # shard directories known to exist
-        self._pid = os.getpid()
+        self._tmp_dir = f"{self._root}/{_TMP}"
+        os.makedirs(self._tmp_dir, exist_ok=True)
+        self._next_reclaim = 0.0
         self._db_path = self.directory / "index.sqlite"
         self._db = sqlite3.connect(
             self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
@@ -102,16 +128,15 @@ class DiskTier:
 
     # -- names and files ---------------------------------------------------------------------
 
-    @staticmethod
-    def name_for(key: str) -> str:
-        """The entry name of a cache key.
+    def name_for(self, key: str) -> str:
+        """The entry name of a cache key of this tier's source.
 
         A block of an object (cache key ``"key\\x00index"``) is named after the object's
         hash plus ``-index``: all blocks of one object then sort together in the index (and
         share its shard), so :meth:`remove` finds them without a scan.
         """
         base, sep, index = key.partition("\x00")
-        digest = xxhash.xxh3_128_hexdigest(base.encode())
+        digest = xxhash.xxh3_128_hexdigest((self._name_prefix + base).encode())
         return f"{digest}-{index}" if sep else digest
 
     def path_for(self, name: str) -> str:
@@ -175,7 +200,7 @@ class DiskTier:
         return self._accept(name, buffer, key)
 
     def _accept(self, name: str, raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
-        payload, etag = _decode(raw, key)
+        payload, etag = _decode(raw, self._identity_bytes, key)
         with self._touch_lock:
             self._touched[name] = time.time()
         return payload, etag
@@ -207,10 +232,14 @@ class DiskTier:
         staged: list[tuple[str, str, str, int]] = []
         results = [False] * len(items)
         positions: list[int] = []
+        # Asked each time, not kept: a forked child must name its temp files after itself.
+        pid = os.getpid()
+        if time.monotonic() >= self._next_reclaim:
+            self.reclaim_dead_writers()
         try:
             for position, (key, payload, etag) in enumerate(items):
                 name = self.name_for(key)
-                head = _encode_head(key, payload, etag)
+                head = _encode_head(self._identity_bytes, key, payload, etag)
                 size = len(head) + len(payload)
                 if size > self.budget:
                     continue
@@ -218,7 +247,7 @@ class DiskTier:
                 if shard not in self._shards:
                     os.makedirs(f"{self._root}/{shard}", exist_ok=True)
                     self._shards.add(shard)
-                tmp = f"{self._root}/{shard}/.tmp-{self._pid}-{secrets.token_hex(6)}"
+                tmp = f"{self._tmp_dir}/{pid}-{secrets.token_hex(6)}"
                 staged.append((name, tmp, self.path_for(name), size))
                 positions.append(position)
                 _write_new(tmp, head, payload)
@@ -379,9 +408,40 @@ class DiskTier:
                 [(atime, name) for name, atime in touched.items()],
             )
 
+    def reclaim_dead_writers(self) -> int:
+        """Remove the temp files of writers that died mid-write (or very old ones); returns
+        how many. Cheap: the temp directory holds only entries being written.
+
+        Writers call it themselves at most every :data:`RECLAIM_INTERVAL` seconds, so a
+        SIGKILLed writer's bytes are given back while the others run.
+        """
+        self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL
+        try:
+            names = os.listdir(self._tmp_dir)
+        except FileNotFoundError:
+            return 0
+        now = time.time()
+        verdicts: dict[str, bool] = {}  # pid -> alive, checked once per pass
+        removed = 0
+        mine = str(os.getpid())
+        for name in names:
+            pid = name.split("-", 1)[0]
+            if pid == mine:
+                continue  # ours: in use by a write of this process
+            alive = verdicts.get(pid)
+            if alive is None:
+                alive = verdicts[pid] = pid.isdigit() and _alive(int(pid))
+            path = f"{self._tmp_dir}/{name}"
+            if not alive or now - _mtime(Path(path)) > _STALE_TMP_SECONDS:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed += 1
+        return removed
+
     def clean_leftovers(self) -> None:
         """Remove what crashed writers left: temp files of dead processes (or very old ones),
         and entry files the index does not know (their bytes would escape the budget)."""
+        self.reclaim_dead_writers()
         now = time.time()
         with self._db_lock:
             known = {row[0] for row in self._db.execute("SELECT name FROM entries")}
@@ -391,10 +451,10 @@ class DiskTier:
             for path in shard.iterdir():
                 name = path.name
                 if name.startswith(".tmp-"):
+                    # Where format 1 wrote its temp files ("PID-RAND" after the prefix).
                     pid = name.split("-")[1]
                     alive = pid.isdigit() and _alive(int(pid))
-                    stale = now - _mtime(path) > _STALE_TMP_SECONDS
-                    if not alive or stale:
+                    if not alive or now - _mtime(path) > _STALE_TMP_SECONDS:
                         with contextlib.suppress(FileNotFoundError):
                             path.unlink()
                 elif (
@@ -415,19 +475,18 @@ class DiskTier:
             self._db.close()
 
 
-def _encode_head(key: str, payload: bytes, etag: str | None) -> bytes:
-    # What precedes the payload in an entry file: header, key, ETag.
+def _encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> bytes:
+    # What precedes the payload in an entry file: header, source, key, ETag.
     key_bytes = key.encode()
     etag_bytes = (etag or "").encode()
-    header = _HEADER.pack(
-        _MAGIC,
-        _VERSION,
-        len(payload),
-        xxhash.xxh3_64_intdigest(payload),
-        len(key_bytes),
-        len(etag_bytes),
-    )
-    return header + key_bytes + etag_bytes
+    lengths = _HEADER.pack(
+        _MAGIC, _VERSION, 0, len(payload), len(identity), len(key_bytes), len(etag_bytes)
+    )[_CHECKED_FROM:]
+    checksum = xxhash.xxh3_64()
+    for part in (lengths, identity, key_bytes, etag_bytes, payload):
+        checksum.update(part)
+    start = _HEADER.pack(_MAGIC, _VERSION, checksum.intdigest(), 0, 0, 0, 0)[:_CHECKED_FROM]
+    return start + lengths + identity + key_bytes + etag_bytes
 
 
 def _write_new(path: str, head: bytes, payload: bytes) -> None:
@@ -446,24 +505,40 @@ def _write_new(path: str, head: bytes, payload: bytes) -> None:
         os.close(fd)
 
 
-def _decode(raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
+def _decode(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
+    # Anything unexpected in a file is damage: whatever fails while reading it (a length that
+    # runs past the end, bytes that do not decode) must be dropped and refetched, not raised.
+    try:
+        return _decode_checked(raw, identity, key)
+    except IntegrityError:
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
+
+
+def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
     if len(raw) < _HEADER.size:
         raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
-    magic, version, length, digest, key_len, etag_len = _HEADER.unpack_from(raw)
+    magic, version, digest, length, id_len, key_len, etag_len = _HEADER.unpack_from(raw)
     if magic != _MAGIC or version != _VERSION:
         raise IntegrityError(f"cache entry for {key!r} has an unknown format")
-    start = _HEADER.size + key_len + etag_len
+    start = _HEADER.size + id_len + key_len + etag_len
     if len(raw) != start + length:
         raise IntegrityError(
             f"cache entry for {key!r} holds {len(raw) - start} payload bytes, expected {length}"
         )
-    if raw[_HEADER.size : _HEADER.size + key_len] != key.encode():
-        raise IntegrityError(f"cache entry for {key!r} belongs to another key")
-    view = memoryview(raw)[start:]
-    if xxhash.xxh3_64_intdigest(view) != digest:
+    view = memoryview(raw)
+    if xxhash.xxh3_64_intdigest(view[_CHECKED_FROM:]) != digest:
         raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
-    etag = bytes(raw[_HEADER.size + key_len : start]).decode() or None
-    return bytes(view), etag
+    at = _HEADER.size
+    if view[at : at + id_len] != identity:
+        raise IntegrityError(f"cache entry for {key!r} belongs to another store")
+    at += id_len
+    if view[at : at + key_len] != key.encode():
+        raise IntegrityError(f"cache entry for {key!r} belongs to another key")
+    at += key_len
+    etag = bytes(view[at:start]).decode() or None
+    return bytes(view[start:]), etag
 
 
 def _alive(pid: int) -> bool:

@@ -48,6 +48,10 @@ within a minute at the cost of one ``stat`` per object per minute."""
 DISK_THREADS = 8
 """Worker threads doing disk-tier I/O at once: enough to keep an NVMe queue busy."""
 
+RANGE_WINDOW = 16
+"""Most blocks of one ranged read fetched at once: 128 MiB of 8 MiB blocks in flight keeps
+a store busy, and bounds the empty reads past an object's end a too-long range costs."""
+
 WRITE_QUEUE_BYTES = 256 * MiB
 """Fetched bytes waiting to be written to the disk tier; past this, writes are skipped (the
 reads they came from have been served already) rather than let memory grow."""
@@ -56,11 +60,26 @@ T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
 
 
-def _positive(name: str, value: object, *, allow_none: bool = False) -> None:
+def _positive(name: str, value: object, *, allow_none: bool = False, unit: str = "bytes") -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"{name}={value!r}: pass a positive number of bytes")
+        raise InvalidArgument(f"{name}={value!r}: pass a positive number of {unit}")
+
+
+def _key_list(keys: object, method: str) -> None:
+    # A str is iterable too, and each of its characters a valid key: refuse it rather than
+    # read "a", "b", "c".
+    if isinstance(keys, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(
+            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable of "
+            f"keys, for example [{keys!r}]"
+        )
+    if not isinstance(keys, Iterable | AsyncIterable):
+        raise InvalidArgument(
+            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable "
+            "of str keys"
+        )
 
 
 class TieredCache:
@@ -69,7 +88,8 @@ class TieredCache:
     Args:
         store: the store to read through (any :class:`asyncstore.Store`).
         memory_bytes: the memory tier's hard budget.
-        disk_dir: a local directory for the disk tier, shared by every process that opens it;
+        disk_dir: a local directory for the disk tier, shared by every process that opens it,
+            whatever their stores (entries are kept apart by :attr:`Store.identity`);
             ``None`` for no disk tier.
         disk_bytes: the disk tier's hard budget (entries plus index); required with
             ``disk_dir``.
@@ -80,7 +100,8 @@ class TieredCache:
         validate: ``"none"`` trusts cached entries forever (immutable datasets);
             ``"etag"`` re-checks an object's ETag with ``stat`` after ``ttl`` seconds and
             refetches it if it changed.
-        ttl: seconds between ETag checks of one object with ``validate="etag"``.
+        ttl: seconds between ETag checks of one object with ``validate="etag"``; ``0``
+            checks on every read, ``float("inf")`` once per object for the cache's life.
         block_bytes: block size for ranged reads.
 
     Raises:
@@ -108,6 +129,12 @@ class TieredCache:
         _positive("memory_bytes", memory_bytes)
         _positive("block_bytes", block_bytes)
         _positive("disk_bytes", disk_bytes, allow_none=True)
+        if disk_dir is not None and (
+            not isinstance(disk_dir, str | os.PathLike) or not os.fspath(disk_dir)
+        ):
+            raise InvalidArgument(
+                f"disk_dir={disk_dir!r}: pass the path of a local directory (str or Path)"
+            )
         if disk_dir is not None and disk_bytes is None:
             raise InvalidArgument(
                 f"disk_dir={os.fspath(disk_dir)!r} needs disk_bytes, the disk tier's budget"
@@ -118,8 +145,12 @@ class TieredCache:
             raise InvalidArgument(f"policy={policy!r}: the policies are 'lru' and 'plan'")
         if validate not in ("none", "etag"):
             raise InvalidArgument(f"validate={validate!r}: use 'none' or 'etag'")
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or ttl < 0:
-            raise InvalidArgument(f"ttl={ttl!r}: pass a number of seconds >= 0")
+        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl >= 0:
+            # "not >=" refuses NaN too, which compares false with everything: an ETag check
+            # whose age is never below NaN would stat on every read without saying so.
+            raise InvalidArgument(
+                f"ttl={ttl!r}: pass a number of seconds >= 0 (float('inf') checks once)"
+            )
         self._store = store
         self._policy = policy
         self._memory: MemoryTier | PlanTier = (
@@ -172,8 +203,9 @@ class TieredCache:
         self._state = "open"
         if self._disk_dir is not None and self._disk_bytes is not None:
             directory, budget = self._disk_dir, self._disk_bytes
+            identity = self._store.identity
             try:
-                self._disk = await anyio.to_thread.run_sync(DiskTier, directory, budget)
+                self._disk = await anyio.to_thread.run_sync(DiskTier, directory, budget, identity)
             except (OSError, sqlite3.Error) as exc:
                 self._disable_disk(exc)
 
@@ -206,8 +238,10 @@ class TieredCache:
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """The object's bytes (or ``[start, end)`` of them), from the nearest tier that has it.
 
-        Raises the store's errors (``NotFound``, ``StoreUnavailable``…) when it must be asked
-        and fails; a broken cache tier never fails a read the store can serve.
+        A range is clipped to the object as the store's own :meth:`Store.get` does: past the
+        end it gives fewer bytes, or ``b""``. Raises the store's errors (``NotFound``,
+        ``StoreUnavailable``…) when it must be asked and fails; a broken cache tier never
+        fails a read the store can serve.
         """
         if self._state != "open":
             await self._open()
@@ -269,20 +303,20 @@ class TieredCache:
             return part
         size = self._block
         first = start // size
-        if end is not None:
-            last = max(first, (end - 1) // size)
-            blocks = await asyncio.gather(
-                *(self._get_block(key, i) for i in range(first, last + 1))
-            )
-        else:
-            blocks = []
-            index = first
-            while True:
-                block = await self._get_block(key, index)
-                blocks.append(block)
-                if len(block) < size:
-                    break
-                index += 1
+        last = None if end is None else max(first, (end - 1) // size)
+        # The first block alone, then windows of RANGE_WINDOW blocks, stopping at the first
+        # short block (the object's end): a range past the end costs at most one window of
+        # empty reads, never one read per block of the range asked for (end=2**63 is a valid
+        # range), and the wait can be cancelled between windows.
+        blocks: list[bytes] = []
+        index, window = first, 1
+        while last is None or index <= last:
+            stop = index + window if last is None else min(index + window, last + 1)
+            got = await asyncio.gather(*(self._get_block(key, i) for i in range(index, stop)))
+            blocks.extend(got)
+            if any(len(block) < size for block in got):
+                break
+            index, window = stop, RANGE_WINDOW
         data = b"".join(blocks)
         offset = first * size
         return data[start - offset : None if end is None else end - offset]
@@ -295,9 +329,13 @@ class TieredCache:
             return await self._fetch_store(key, index * size, (index + 1) * size), etag
 
         # The block size is part of the key: processes sharing a disk tier may use others.
-        return await self._lookup(f"{key}\x00{size}.{index}", key, load)
+        # An empty block past the first says only "the object ends before here": keeping it
+        # would let any offset a caller picks add an entry.
+        return await self._lookup(f"{key}\x00{size}.{index}", key, load, keep_empty=index == 0)
 
-    async def _lookup(self, cache_key: str, key: str, load: _Loader) -> bytes:
+    async def _lookup(
+        self, cache_key: str, key: str, load: _Loader, *, keep_empty: bool = True
+    ) -> bytes:
         value = self._memory.get(cache_key)
         if value is not None and await self._fresh(cache_key, key):
             self._mem_stats.hits += 1
@@ -313,13 +351,18 @@ class TieredCache:
         if future is None:
             future = asyncio.get_running_loop().create_future()
             self._inflight[cache_key] = future
-            self._background(self._fill(cache_key, key, load, future))
+            self._background(self._fill(cache_key, key, load, future, keep_empty))
         # shield: a caller cancelled while waiting must not cancel the fetch other callers
         # (or the cache) are waiting on.
         return await asyncio.shield(future)
 
     async def _fill(
-        self, cache_key: str, key: str, load: _Loader, future: asyncio.Future[bytes]
+        self,
+        cache_key: str,
+        key: str,
+        load: _Loader,
+        future: asyncio.Future[bytes],
+        keep_empty: bool = True,
     ) -> None:
         generation = self._generations.get(key, 0)
         try:
@@ -337,6 +380,8 @@ class TieredCache:
         future.set_result(data)
         if self._generations.get(key, 0) != generation:
             return  # invalidated while fetching: serve the readers, keep nothing
+        if not data and not keep_empty:
+            return
         if self._validate == "etag":
             self._entry_etags[cache_key] = etag
         if not self._memory.put(cache_key, data):
@@ -515,17 +560,36 @@ class TieredCache:
     # -- management --------------------------------------------------------------------------
 
     async def warm(self, keys: Iterable[str] | AsyncIterable[str], concurrency: int = 32) -> int:
-        """Read ``keys`` into the cache; returns how many were read."""
+        """Read ``keys`` into the cache, ``concurrency`` at a time; returns how many were read.
+
+        Raises:
+            InvalidArgument: ``keys`` is a single str (or not iterable), or ``concurrency`` is
+                not a positive int.
+            AsyncStoreError: the first error a read raised (``NotFound``, ``InvalidKey``…),
+                as itself, not inside an ``ExceptionGroup``; the reads still running are
+                cancelled. Further reads that failed meanwhile are listed in its notes.
+        """
+        _key_list(keys, "warm")
+        _positive("concurrency", concurrency, unit="reads at once, for example 32")
         limit = anyio.Semaphore(concurrency)
         count = 0
+        errors: list[Exception] = []
 
         async def one(key: str) -> None:
             nonlocal count
-            async with limit:
-                await self.get(key)
+            try:
+                async with limit:
+                    await self.get(key)
+            except Exception as exc:
+                # Caught here, not by the task group: the caller gets the store's error.
+                errors.append(exc)
+                tg.cancel_scope.cancel()
+            else:
                 count += 1
 
         async with anyio.create_task_group() as tg:
+            # Wait for a free slot before starting each task: a million keys must not become
+            # a million tasks at once.
             if isinstance(keys, AsyncIterable):
                 async for key in keys:
                     await limit.acquire()
@@ -533,7 +597,14 @@ class TieredCache:
                     tg.start_soon(one, key)
             else:
                 for key in keys:
+                    await limit.acquire()
+                    limit.release()
                     tg.start_soon(one, key)
+        if errors:
+            first = errors[0]
+            for other in errors[1:]:
+                first.add_note(f"warm() also failed: {type(other).__name__}: {other}")
+            raise first
         return count
 
     def plan(self, keys: Iterable[str]) -> None:
@@ -545,6 +616,7 @@ class TieredCache:
         Raises:
             InvalidArgument: the cache was not created with ``policy="plan"``.
         """
+        _key_list(keys, "plan")
         if not isinstance(self._memory, PlanTier):
             raise InvalidArgument(
                 f"plan() needs a cache created with policy='plan' (this one is {self._policy!r})"
@@ -553,10 +625,12 @@ class TieredCache:
 
     def pin(self, keys: Iterable[str]) -> None:
         """Keep ``keys`` in memory regardless of recency (from when they are next read)."""
+        _key_list(keys, "pin")
         self._memory.pin(check_key(key, self._store.url) for key in keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
         """Let ``keys`` be evicted by recency again."""
+        _key_list(keys, "unpin")
         self._memory.unpin(check_key(key, self._store.url) for key in keys)
 
     async def invalidate(self, key: str) -> None:

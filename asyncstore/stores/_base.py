@@ -153,6 +153,18 @@ class Store(Protocol):
         """The store's root URL, without credentials."""
         ...
 
+    @property
+    def identity(self) -> str:
+        """What tells this store's objects apart from every other store's, without credentials.
+
+        Two stores with the same identity must hold the same object under the same key; two
+        stores that may not must have different identities. A :class:`TieredCache` names and
+        checks its disk entries by identity plus key, so stores sharing one cache directory
+        never get each other's bytes. It is the root URL with its prefix, plus what the URL
+        does not say: the endpoint of an S3 store, the process of a memory store.
+        """
+        ...
+
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Return the object's bytes, or the range ``[start, end)`` of them.
 
@@ -222,6 +234,11 @@ class BaseStore(abc.ABC):
     @property
     def url(self) -> str:
         """The store's root URL, without credentials."""
+        return self._url
+
+    @property
+    def identity(self) -> str:
+        """See :attr:`Store.identity`; the root URL unless a store needs more."""
         return self._url
 
     def __repr__(self) -> str:

@@ -7,6 +7,7 @@ another. Use :func:`drop_memory_store` to free a name's objects.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -53,6 +54,12 @@ class MemoryStore(BaseStore):
         self._name = name
         self._prefix = f"{prefix}/" if prefix else ""
         self._objects_now()
+
+    @property
+    def identity(self) -> str:
+        """See :attr:`Store.identity`: the URL and this process, since another process's
+        ``memory://`` store of the same name holds other objects."""
+        return f"{self.url} in process {os.getpid()}"
 
     def _lookup(self, key: str) -> _Object:
         # Re-read the registry so a drop_memory_store() is seen by stores already open.

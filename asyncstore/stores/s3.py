@@ -352,6 +352,12 @@ class S3Store(BaseStore):
         """The endpoint in use, ``None`` for AWS's default."""
         return self._endpoint
 
+    @property
+    def identity(self) -> str:
+        """See :attr:`Store.identity`: the URL and the endpoint, since one bucket name can
+        name different buckets on different servers."""
+        return f"{self.url} at {self._endpoint or 'AWS'}"
+
     # -- client ------------------------------------------------------------------------------
 
     async def _aopen(self) -> None:
