@@ -567,7 +567,8 @@ class TieredCache:
                 not a positive int.
             AsyncStoreError: the first error a read raised (``NotFound``, ``InvalidKey``…),
                 as itself, not inside an ``ExceptionGroup``; the reads still running are
-                cancelled. Further reads that failed meanwhile are listed in its notes.
+                cancelled. (Notes are not added: single flight shares the error object
+                with other readers of the key.)
         """
         _key_list(keys, "warm")
         _positive("concurrency", concurrency, unit="reads at once, for example 32")
@@ -601,10 +602,7 @@ class TieredCache:
                     limit.release()
                     tg.start_soon(one, key)
         if errors:
-            first = errors[0]
-            for other in errors[1:]:
-                first.add_note(f"warm() also failed: {type(other).__name__}: {other}")
-            raise first
+            raise errors[0]
         return count
 
     def plan(self, keys: Iterable[str]) -> None:
