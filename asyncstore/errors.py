@@ -100,5 +100,9 @@ class UnsafeCheckpoint(AsyncStoreError):
 
     Loading with ``weights_only=True`` (the default) raises it for a checkpoint that names any
     Python global beyond tensors, containers and plain values, before importing it: a crafted
-    file cannot run code. Saving raises it for an object that cannot be pickled.
+    file cannot run code. It also raises it for a structure that builds a tensor past the end
+    of its storage, attaches backward hooks or other state, or would turn a few bytes into a
+    huge allocation, and for sizes that need more memory than the machine has free or more
+    than the stored bytes can decode to, before anything of that size is allocated. Saving
+    raises it for an object that cannot be pickled or a tensor on the meta device.
     """

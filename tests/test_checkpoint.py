@@ -846,25 +846,24 @@ async def test_a_load_reads_one_file_while_a_save_replaces_it(
 
 
 async def test_a_manifest_asking_for_more_memory_than_there_is_is_refused() -> None:
-    # A zstd chunk may claim any raw size: the load refuses before allocating, rather than
-    # being killed by the OOM killer (or allocating terabytes of swap).
-    import msgspec
-
+    # A zstd chunk may claim any raw size up to what zstd can expand its stored bytes to:
+    # the load refuses before allocating, rather than being killed by the OOM killer (or
+    # allocating terabytes of swap).
+    from asyncstore.checkpoint._format import ZSTD_MAX_RATIO
     from asyncstore.checkpoint._load import available_memory
+
+    from .forge import Forged, ForgedStorage, StorageRef, forge, rebuild, write_pickle
 
     available = available_memory()
     assert available is not None  # Linux: /proc/meminfo
     huge = available + (1 << 30)
-    replace = msgspec.structs.replace
-
-    def claim_huge(m: Any) -> Any:
-        first = m.storages[0]
-        chunks = [replace(first.chunks[0], codec="zstd", raw=huge)]
-        return replace(m, storages=[replace(first, nbytes=huge, chunks=chunks)])
-
+    stored = os.urandom(huge // ZSTD_MAX_RATIO + 4096)  # incompressible: stored as big
+    structure = write_pickle({"a": rebuild(StorageRef(0), 0, [huge], [1])})
+    blob = forge(
+        Forged(structure, [ForgedStorage(stored, codec="zstd", raw=huge)], entries={"a": [0]})
+    )
     async with asyncstore.open_store(f"memory://{unique()}") as store:
-        await (await asyncstore.save({"a": torch.arange(4.0)}, (store, "good"), compression=None))
-        await store.put("forged", rewrite_manifest(await store.get("good"), claim_huge))
+        await store.put("forged", blob)
         with pytest.raises(UnsafeCheckpoint, match=r"needs [\d,.]+ GiB .* keys="):
             await asyncstore.load((store, "forged"))
 

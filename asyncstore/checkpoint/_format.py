@@ -28,7 +28,7 @@ import msgspec
 import xxhash
 import zstandard
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UnsafeCheckpoint
 
 __all__ = [
     "FORMAT_VERSION",
@@ -52,6 +52,14 @@ _FOOTER = struct.Struct("<8sIIQQQ")  # magic, version, flags, manifest offset, l
 FOOTER_SIZE = _FOOTER.size + 8  # + the footer's own xxh3-64
 
 CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8")
+
+# The most a zstd frame can expand: a block decodes to at most 128 KiB and takes at least
+# 4 bytes (an RLE block: a 3-byte header and the byte repeated). A chunk claiming more raw
+# bytes than that cannot be genuine, whatever its checksums say.
+ZSTD_MAX_RATIO = (128 * 1024) // 4
+# Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
+# caps what a frame header may ask the decoder to allocate.
+_WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
 
 
 class Chunk(msgspec.Struct, array_like=True, frozen=True):
@@ -174,6 +182,13 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
             or (chunk.codec == "raw" and chunk.stored != chunk.raw)
         ):
             raise IntegrityError(f"{where}: the manifest describes {what} impossibly")
+        if chunk.raw > chunk.stored * ZSTD_MAX_RATIO:
+            # Checked before anything of that size is allocated (a bomb of a few bytes).
+            raise UnsafeCheckpoint(
+                f"{where}: the manifest says {what} decodes to {chunk.raw:,} bytes from "
+                f"{chunk.stored:,} stored, more than zstd can expand ({ZSTD_MAX_RATIO:,}x): "
+                "the file was crafted or damaged; load an earlier checkpoint"
+            )
 
     chunk_ok(manifest.structure, "the pickled structure")
     ids = set()
@@ -293,7 +308,9 @@ def decode_into(stored: bytes | memoryview, codec: str, out: memoryview) -> None
     width = _width(codec)
     target = bytearray(len(out)) if width else out
     try:
-        with zstandard.ZstdDecompressor().stream_reader(stored) as reader:
+        window = min(_WINDOW_MAX, max(_WINDOW_MIN, 1 << (len(out) - 1).bit_length()))
+        decompressor = zstandard.ZstdDecompressor(max_window_size=window)
+        with decompressor.stream_reader(stored) as reader:
             got = 0
             view = memoryview(target)
             while got < len(view):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import io
 import os
 from collections.abc import Iterable, Mapping
@@ -13,10 +14,10 @@ import xxhash
 
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
-from ._pickle import PlainUnpickler, RestrictedUnpickler, dtype_of
-from ._save import _view
+from ._pickle import dtype_of
 from ._target import FileSource, Source, StoreSource, resolve
 from ._threads import run_thread, shielded
+from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
 
 __all__ = ["load", "read_manifest"]
 
@@ -198,6 +199,7 @@ class _Reader:
 
     async def structure(self) -> bytes:
         chunk = self.manifest.structure
+        _check_memory(chunk.raw, self.source.url, "its pickled structure")
         out = bytearray(chunk.raw)
         # One read from the start: the header, then the structure right after it.
         data = await self.source.read(0, chunk.offset + chunk.stored)
@@ -213,7 +215,7 @@ class _Reader:
         targets: list[_Target] = []
         _check_memory(sum(entry.nbytes for entry in entries), self.source.url)
         for entry in entries:
-            flat = torch.empty(entry.nbytes, dtype=torch.uint8)
+            storage, memory = fixed_storage(entry.nbytes)
             position = 0
             for index, chunk in enumerate(entry.chunks):
                 if position + chunk.raw > entry.nbytes:
@@ -221,16 +223,35 @@ class _Reader:
                         f"{self.source.url}: tensor {entry.name!r} overflows its storage"
                     )
                 what = f"chunk {index} of tensor {entry.name!r}"
-                targets.append(_Target(chunk, _view(flat, position, chunk.raw), what))
+                targets.append(_Target(chunk, memory[position : position + chunk.raw], what))
                 position += chunk.raw
             if position != entry.nbytes:
                 raise IntegrityError(
                     f"{self.source.url}: tensor {entry.name!r} has {position} of "
                     f"{entry.nbytes} bytes"
                 )
-            out[entry.id] = flat.untyped_storage()
+            out[entry.id] = storage
         await self.read(targets)
         return out
+
+
+def fixed_storage(nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
+    """A CPU storage of exactly ``nbytes`` that cannot grow, and a writable view of it.
+
+    torch's own storages are resizable: ``set_`` with a view larger than the storage grows
+    it, and the new bytes are whatever the allocator had. A storage made over a Python
+    buffer cannot be resized (``torch.load``'s cannot either), so a view past the end fails
+    instead of exposing memory. The buffer is a ctypes array over memory from torch's
+    allocator, which it keeps alive: freed and reused like any tensor's, so loading again
+    costs no fresh page faults. (An empty storage is resizable: views are checked against
+    it before they are built.)
+    """
+    if nbytes == 0:
+        return torch.UntypedStorage(0), memoryview(bytearray())  # type: ignore[no-untyped-call]
+    owner = torch.empty(nbytes, dtype=torch.uint8)
+    array = (ctypes.c_ubyte * nbytes).from_address(owner.data_ptr())
+    array._owner = owner  # type: ignore[attr-defined]  # freed with the storage, not before
+    return torch.frombuffer(array, dtype=torch.uint8).untyped_storage(), memoryview(array).cast("B")
 
 
 # Allocations from this size on are checked against the memory the machine has free.
@@ -248,7 +269,7 @@ def available_memory() -> int | None:
         return None
 
 
-def _check_memory(needed: int, url: str) -> None:
+def _check_memory(needed: int, url: str, what: str = "its tensors") -> None:
     # Before allocating: a manifest (damaged, crafted, or simply too large for this machine)
     # must not get the process killed by the OOM killer halfway through a load. into= asks
     # once per storage: small ones are not worth reading /proc/meminfo for.
@@ -257,7 +278,7 @@ def _check_memory(needed: int, url: str) -> None:
     available = available_memory()
     if available is not None and needed > available:
         raise UnsafeCheckpoint(
-            f"loading {url} needs {needed / 2**30:,.1f} GiB for its tensors but this machine "
+            f"loading {url} needs {needed / 2**30:,.1f} GiB for {what} but this machine "
             f"has {available / 2**30:,.1f} GiB available: load some entries with keys=, fill "
             "existing tensors in place with into=, or load on a larger machine"
         )
@@ -276,24 +297,55 @@ async def _gather(jobs: list[Any]) -> None:
         raise
 
 
-def _device_for(location: str, map_location: Any) -> torch.device:
-    if map_location is None:
-        target = location
+def _check_map_location(map_location: Any) -> None:
+    # The caller's argument: a device that does not parse is theirs to fix (InvalidArgument),
+    # whereas a bad device name read from the checkpoint is the checkpoint's (IntegrityError).
+    if map_location is None or (callable(map_location) and not isinstance(map_location, type)):
+        return  # a callable is torch.load's: passed on for a torch.save file, refused for ours
+    if isinstance(map_location, Mapping):
+        targets = list(map_location.items())
     elif isinstance(map_location, str | torch.device):
-        target = str(map_location)
-    elif isinstance(map_location, Mapping):
-        target = str(map_location.get(location, location))
+        targets = [(None, map_location)]
     else:
         raise InvalidArgument(
             f"map_location={map_location!r}: pass a device ('cpu', 'cuda:0'), a torch.device "
             "or a dict from saved to target locations"
         )
+    for saved, target in targets:
+        where = "map_location" if saved is None else f"map_location[{saved!r}]"
+        if (saved is not None and not isinstance(saved, str)) or not isinstance(
+            target, str | torch.device
+        ):
+            raise InvalidArgument(
+                f"{where}={target!r}: map saved locations (str) to devices, such as "
+                "{'cuda:0': 'cpu'}"
+            )
+        try:
+            torch.device(target)
+        except RuntimeError:
+            raise InvalidArgument(
+                f"{where}={target!r} is not a device: pass one such as 'cpu', 'cuda:0' or "
+                "torch.device('cuda', 1)"
+            ) from None
+
+
+def _device_for(location: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        target = location
+    elif isinstance(map_location, Mapping):
+        target = str(map_location.get(location, location))
+    else:
+        target = str(map_location)
     try:
         device = torch.device(target)
     except RuntimeError:
         raise IntegrityError(
             f"the checkpoint names a device {target!r} that does not exist"
         ) from None
+    if device.type == "meta" and target == location:
+        # Saving refuses meta tensors, so a saved location never is one: the tensors would
+        # come back without their data.
+        raise IntegrityError(f"the checkpoint says tensor bytes were saved on {location!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidArgument(
             f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
@@ -306,7 +358,13 @@ def _to(storage: torch.UntypedStorage, device: torch.device) -> torch.UntypedSto
     if storage.device == device:
         return storage
     flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return flat.to(device).untyped_storage()
+    try:
+        return flat.to(device).untyped_storage()
+    except (RuntimeError, AssertionError) as exc:  # torch raises both for a missing backend
+        raise InvalidArgument(
+            f"tensors cannot be placed on {str(device)!r} here ({exc}): pass a "
+            "map_location this machine has, such as 'cpu'"
+        ) from None
 
 
 async def load(
@@ -347,6 +405,7 @@ async def load(
     """
     if not isinstance(weights_only, bool):
         raise InvalidArgument(f"weights_only={weights_only!r}: pass True or False")
+    _check_map_location(map_location)
     if keys is not None and into is not None:
         raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
     wanted = None
@@ -400,6 +459,11 @@ async def _load(
     safe_globals: Iterable[Any],
 ) -> Any:
     src, manifest = reader.source, reader.manifest
+    if callable(map_location):
+        raise InvalidArgument(
+            f"map_location={map_location!r}: an asyncstore checkpoint takes a device ('cpu', "
+            "'cuda:0'), a torch.device or a dict from saved to target locations, not a callable"
+        )
     by_id = {entry.id: entry for entry in manifest.storages}
     needed = set(by_id)
     if wanted is not None:
@@ -461,9 +525,39 @@ async def _load(
     if wanted is None:
         return obj
     if into is None:
+        _check_read(src.url, meta, {k: obj[k] for k in wanted})
         return type(obj)((k, obj[k]) for k in wanted)
+    _check_read(src.url, meta, {k: obj[k] for k in into if not isinstance(into[k], torch.Tensor)})
     await _fill(reader, by_id, obj, into, meta, src.url)
     return into
+
+
+def _check_read(url: str, meta: dict[int, int], entries: dict[str, Any]) -> None:
+    """Raise if a tensor in ``entries`` still sits on a placeholder storage: the manifest's
+    list of the storages an entry uses left one out (it is damaged or crafted), and the
+    caller would get a tensor without data."""
+    if not meta:
+        return
+    seen: set[int] = set()
+    for key, value in entries.items():
+        stack = [value]
+        while stack:
+            item = stack.pop()
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            if isinstance(item, torch.Tensor):
+                if item.layout == torch.strided and item.untyped_storage()._cdata in meta:
+                    raise IntegrityError(
+                        f"{url}: the manifest does not list every storage entry {key!r} uses "
+                        "(damaged or crafted); load it whole, or load an earlier checkpoint"
+                    )
+            elif isinstance(item, dict):
+                stack.extend(item.values())
+            elif isinstance(item, list | tuple | set | frozenset):
+                stack.extend(item)
+            elif hasattr(item, "__dict__") and not isinstance(item, type):
+                stack.extend(vars(item).values())
 
 
 async def _fill(
@@ -496,6 +590,8 @@ async def _fill(
         storage = (await reader.storages([by_id[sid]]))[sid]
         for key in names:
             loaded = obj[key]
+            shape, stride = tuple(loaded.shape), loaded.stride()
+            check_view(storage, loaded.storage_offset(), shape, stride, loaded.dtype, url)
             view = torch.empty(0, dtype=loaded.dtype).set_(
                 storage, loaded.storage_offset(), loaded.shape, loaded.stride()
             )

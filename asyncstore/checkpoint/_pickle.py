@@ -5,25 +5,21 @@ strides) into a storage, and each storage is pickled as a persistent id: its byt
 separately, in chunks. Views, non-contiguous tensors and storages shared by several tensors
 (tied weights) therefore come back exactly as they were, sharing included.
 
-Loading with ``weights_only=True`` uses :class:`RestrictedUnpickler`, which resolves only an
-allow-list of globals (tensor rebuild functions, dtypes, devices, containers), so a crafted
-checkpoint cannot import or call anything else.
+Loading is ``_unpickle.py``'s job.
 """
 
 from __future__ import annotations
 
-import builtins
 import collections
 import io
 import pickle
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from ..errors import IntegrityError, UnsafeCheckpoint
 
-__all__ = ["StoragePickler", "RestrictedUnpickler", "SavedStorage", "dtype_name", "dtype_of"]
+__all__ = ["StoragePickler", "SavedStorage", "dtype_name", "dtype_of", "pickle_structure"]
 
 PROTOCOL = 4
 
@@ -51,6 +47,8 @@ _NOT_STORAGES = frozenset(
     {tuple, list, dict, collections.OrderedDict, int, float, bool, str, bytes, type(None)}
     | {torch.Size, torch.dtype, torch.device, torch.Tensor, torch.nn.Parameter}
 )
+
+_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -83,7 +81,11 @@ class StoragePickler(pickle.Pickler):
         # Called for every object pickled (thousands per state dict): leave the common
         # ones at once.
         if type(obj) in _NOT_STORAGES:
+            if type(obj) in _TENSORS and obj.is_meta:
+                self._refuse_meta(obj)
             return None
+        if isinstance(obj, torch.Tensor) and obj.is_meta:
+            self._refuse_meta(obj)
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
@@ -91,10 +93,7 @@ class StoragePickler(pickle.Pickler):
         else:
             return None
         if untyped.device.type == "meta":
-            raise UnsafeCheckpoint(
-                f"entry {self.entry or 'the object'!r} holds a tensor on the meta device, which "
-                "has no data to save; materialise it first"
-            )
+            self._refuse_meta(None)
         key = untyped._cdata
         saved = self.storages.get(key)
         if saved is None:
@@ -103,6 +102,22 @@ class StoragePickler(pickle.Pickler):
             self.storages[key] = saved
         self.seen.add(saved.id)
         return ("storage", saved.id, dtype_name(dtype))
+
+    def _refuse_meta(self, tensor: torch.Tensor | None) -> None:
+        # A meta tensor pickles without a storage (torch rebuilds it from its shape alone), so
+        # it would save without error and then fail every weights_only load.
+        name = self.names.get(tensor.untyped_storage()._cdata) if tensor is not None else None
+        if name in (None, "<object>"):
+            name = self.entry or None
+        raise UnsafeCheckpoint(_meta_message("the object" if name is None else repr(name)))
+
+
+def _meta_message(name: str) -> str:
+    return (
+        f"{name} is a tensor on the meta device, which has no data to save; materialise it "
+        "first (for example with module.to_empty(device='cpu') and then loading or "
+        "initialising its weights)"
+    )
 
 
 def pickle_structure(
@@ -176,101 +191,3 @@ def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:
                 (f"{path}.{i}" if path else str(i), v) for i, v in reversed(list(enumerate(value)))
             )
     return names
-
-
-# -- loading ---------------------------------------------------------------------------------
-
-
-def _no_hooks(rebuild: Callable[..., Any], position: int) -> Callable[..., Any]:
-    """``rebuild``, refusing backward hooks: a crafted file could otherwise attach an
-    allowed callable that runs later, during ``backward()``."""
-
-    def checked(*args: Any) -> Any:
-        if len(args) > position and args[position]:
-            raise UnsafeCheckpoint(
-                "the checkpoint attaches backward hooks to a tensor, which weights_only=True "
-                "does not load; pass weights_only=False only if you trust its source"
-            )
-        return rebuild(*args)
-
-    return checked
-
-
-def _allowed() -> dict[tuple[str, str], Any]:
-    allowed: dict[tuple[str, str], Any] = {
-        ("collections", "OrderedDict"): collections.OrderedDict,
-        ("builtins", "set"): builtins.set,
-        ("builtins", "frozenset"): builtins.frozenset,
-        ("builtins", "complex"): builtins.complex,
-        ("builtins", "slice"): builtins.slice,
-        ("builtins", "range"): builtins.range,
-        ("builtins", "bytearray"): builtins.bytearray,
-        ("torch._utils", "_rebuild_tensor_v2"): _no_hooks(torch._utils._rebuild_tensor_v2, 5),
-        ("torch._utils", "_rebuild_tensor_v3"): _no_hooks(torch._utils._rebuild_tensor_v3, 5),
-        ("torch._utils", "_rebuild_parameter"): _no_hooks(torch._utils._rebuild_parameter, 2),
-        ("torch", "Size"): torch.Size,
-        ("torch", "device"): torch.device,
-        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    }
-    for name in dir(torch):
-        value = getattr(torch, name, None)
-        if isinstance(value, torch.dtype):
-            allowed["torch", name] = value
-    for storage_type in ("FloatStorage", "HalfStorage", "BFloat16Storage", "LongStorage"):
-        if hasattr(torch, storage_type):
-            allowed["torch", storage_type] = getattr(torch, storage_type)
-    return allowed
-
-
-_ALLOWED: dict[tuple[str, str], Any] | None = None
-
-
-class RestrictedUnpickler(pickle.Unpickler):
-    """Unpickles only tensors, containers and plain values (``weights_only=True``).
-
-    Any other global — a class, a function, ``os.system`` — raises
-    :class:`~asyncstore.UnsafeCheckpoint` before it is imported, unless the caller allowed
-    it with ``safe_globals``.
-    """
-
-    def __init__(
-        self,
-        file: io.BytesIO,
-        persistent_load: Callable[[Any], Any],
-        where: str,
-        safe_globals: Iterable[Any] = (),
-    ) -> None:
-        super().__init__(file)
-        global _ALLOWED
-        if _ALLOWED is None:
-            _ALLOWED = _allowed()
-        self._allowed = dict(_ALLOWED)
-        for value in safe_globals:
-            self._allowed[value.__module__, value.__qualname__] = value
-        self._persistent = persistent_load
-        self._where = where
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._persistent(pid)
-
-    def find_class(self, module: str, name: str) -> Any:
-        value = self._allowed.get((module, name))
-        if value is None:
-            raise UnsafeCheckpoint(
-                f"{self._where} holds {module}.{name}, which weights_only=True does not load "
-                "(only tensors, containers and plain values). If you trust where this "
-                "checkpoint came from, pass weights_only=False, or allow that one name with "
-                f"safe_globals=[{module}.{name}]"
-            )
-        return value
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles anything (``weights_only=False``): only for checkpoints you trust."""
-
-    def __init__(self, file: io.BytesIO, persistent_load: Callable[[Any], Any]) -> None:
-        super().__init__(file)
-        self._persistent = persistent_load
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._persistent(pid)
