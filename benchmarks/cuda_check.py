@@ -10,7 +10,8 @@ It checks that staging slabs are pinned; that a save sees the results of kernels
 before it, and that kernels queued after it (an optimizer step changing the weights in
 place) do not change what is saved; GPU tensors on every device and CPU tensors in one
 state; a state larger than the staging budget; loads back to the saved devices and with
-``map_location="cpu"``; ``into=`` filling GPU tensors in place. It then times a save's
+``map_location="cpu"``; ``into=`` filling GPU tensors in place; a crafted view past its
+storage refused on the GPU, where storages can grow. It then times a save's
 blocking time beside ``tensor.cpu()`` of the same bytes and DCP ``async_save``. Exits 1 if
 a check fails.
 """
@@ -42,6 +43,35 @@ class Checks:
         print(f"{'ok  ' if ok else 'FAIL'} {what}", flush=True)
         if not ok:
             self.failed.append(what)
+
+
+def grow_view(path: Path, old: int, new: int) -> None:
+    """Rewrite a one-tensor checkpoint so that its view claims ``new`` elements instead of
+    ``old`` (both under 256), with every checksum redone, as a crafted file would."""
+    import msgspec
+    import xxhash
+
+    from asyncstore.checkpoint import _format as fmt
+
+    blob = bytearray(path.read_bytes())
+    footer = fmt.decode_footer(bytes(blob[-fmt.FOOTER_SIZE :]), str(path))
+    assert footer is not None
+    start, end = footer.manifest_offset, footer.manifest_offset + footer.manifest_length
+    manifest = fmt.decode_manifest(bytes(blob[start:end]), footer, str(path))
+    chunk = manifest.structure
+    assert chunk.codec == "raw"
+    structure = bytes(blob[chunk.offset : chunk.offset + chunk.stored])
+    size = b"K" + bytes([old]) + b"\x85"  # BININT1 old, TUPLE1: the torch.Size argument
+    assert structure.count(size) == 1
+    structure = structure.replace(size, b"K" + bytes([new]) + b"\x85")
+    blob[chunk.offset : chunk.offset + chunk.stored] = structure
+    digest = xxhash.xxh3_64_intdigest(structure)
+    replace = msgspec.structs.replace
+    manifest = replace(manifest, structure=replace(chunk, stored_xxh3=digest, raw_xxh3=digest))
+    manifest = replace(manifest, digest=fmt.digest_of(manifest))
+    encoded = fmt.encode_manifest(manifest)
+    footer = fmt.Footer(1, 0, start, len(encoded), xxhash.xxh3_64_intdigest(encoded))
+    path.write_bytes(bytes(blob[:start]) + encoded + fmt.encode_footer(footer))
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -94,6 +124,20 @@ async def run(tmp: Path, size: int, check: Checks) -> None:
         "into= fills GPU tensors in place",
     )
     print(f"saved {result.stored_bytes / MiB:,.0f} MiB in {result.total_seconds:.2f} s", flush=True)
+
+    # A crafted view past its storage, loaded onto the GPU: CUDA storages are resizable, so
+    # only the view check stands between the file and uninitialised device memory.
+    crafted = tmp / "crafted.ckpt"
+    await (
+        await asyncstore.save({"w": torch.zeros(4, device=devices[0])}, crafted, compression=None)
+    )
+    grow_view(crafted, 4, 200)
+    try:
+        await asyncstore.load(crafted)
+        refused = False
+    except asyncstore.UnsafeCheckpoint:
+        refused = True
+    check(refused, "a view past its storage is refused when loading onto the GPU")
 
     # A GPU state larger than the staging budget streams through it.
     big = {f"b{i}": torch.randn(4 * MiB, device=devices[-1]) for i in range(8)}  # 128 MiB
