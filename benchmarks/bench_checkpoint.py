@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import ctypes
 import gc
 import mmap
@@ -377,6 +378,37 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
     return summary
 
 
+def run_small_loads(tmp: Path, say: Say, rounds: int = 7) -> None:
+    """Loads of a state of many small tensors (norms, biases, an optimizer's step counts),
+    where the unpickling of the structure, not the bytes, sets the time."""
+    generator = torch.Generator().manual_seed(2)
+    model = collections.OrderedDict(
+        (f"layers.{i}.{part}", torch.randn(64, generator=generator))
+        for i in range(1000)
+        for part in ("norm.weight", "norm.bias", "bias")
+    )
+    state = {"model": model, "step": 1000}
+    torch.save(state, tmp / "small.pt")
+    asyncstore.torch.save(state, tmp / "small.ckpt", compression=None)
+    times: dict[str, list[float]] = {"torch": [], "ours": []}
+    for _ in range(rounds):  # interleaved, so that drift hits both alike
+        with timer() as t:
+            torch.load(tmp / "small.pt", weights_only=True)
+        times["torch"].append(t[0])
+        with timer() as t:
+            asyncstore.torch.load(tmp / "small.ckpt")
+        times["ours"].append(t[0])
+    base = statistics.median(times["torch"])
+    ours = statistics.median(times["ours"])
+    say(f"### Loading a state of {len(model):,} small tensors (medians of {rounds})")
+    say()
+    say("| reader | time | vs torch.load |")
+    say("|---|---:|---:|")
+    say(f"| torch.load (weights_only=True) | {base * 1000:.0f} ms | 1.00x |")
+    say(f"| asyncstore load (weights_only=True) | {ours * 1000:.0f} ms | {ours / base:.2f}x |")
+    say()
+
+
 def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
     size = nbytes(state)
     server = SeaweedFS(data_dir=tmp / "seaweedfs")
@@ -504,6 +536,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=800)
     parser.add_argument("--every", type=int, default=200)
     parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
+    parser.add_argument(
+        "--small-loads", action="store_true", help="only the loads of many small tensors"
+    )
     args = parser.parse_args()
     lines: list[str] = []
 
@@ -518,6 +553,12 @@ def main() -> int:
         prefix="bench-checkpoint-", dir=os.environ.get("BENCH_DIR")
     ) as name:
         tmp = Path(name)
+        if args.small_loads:
+            run_small_loads(tmp, say)
+            if args.write:
+                record("bench_checkpoint_small_loads", "Checkpoint loads of small tensors", lines)
+            return 0
+        run_small_loads(tmp, say)
         fp32 = transformer_state(size, torch.float32)
         run_saves("fp32", fp32, tmp, say)
         del fp32
