@@ -499,3 +499,27 @@ async def test_a_bad_device_in_the_checkpoint_is_the_checkpoints_error() -> None
     # ... and a map that covers it is the caller's way out.
     loaded = await load_forged(blob, map_location={"bogus": "cpu"})
     assert torch.equal(loaded, torch.zeros(4, dtype=torch.uint8))
+
+
+async def test_the_structure_is_unpickled_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The checked unpickler is pure Python: a structure of many tensors must not hold the
+    # event loop (a prefetcher or a save may share it).
+    import threading
+
+    from asyncstore.checkpoint import _unpickle
+
+    threads: list[threading.Thread] = []
+    original = _unpickle.RestrictedUnpickler.load
+
+    def load(self: Any) -> Any:
+        threads.append(threading.current_thread())
+        return original(self)
+
+    monkeypatch.setattr(_unpickle.RestrictedUnpickler, "load", load)
+    await (await asyncstore.save({"a": torch.ones(2)}, tmp_path / "c.ckpt"))
+    loaded = await asyncstore.load(tmp_path / "c.ckpt")
+    assert torch.equal(loaded["a"], torch.ones(2))
+    assert len(threads) == 1
+    assert threads[0] is not threading.main_thread()

@@ -517,7 +517,9 @@ async def _load(
         else PlainUnpickler(stream, persistent_load)
     )
     try:
-        obj = unpickler.load()
+        # In a thread: the checked unpickler is pure Python, and a structure of 100,000
+        # tensors would hold the event loop for seconds (torch.save files load there too).
+        obj = await run_thread(unpickler.load)
     except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
         raise
     except Exception as exc:
