@@ -4,7 +4,6 @@ fill up or turn read-only under the cache."""
 from __future__ import annotations
 
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -158,14 +157,22 @@ async def test_read_only_disk_switches_the_tier_off(dataset: Path, tiny_fs: Path
 
 
 VICTIM = """
-import sys
+import os, sys, time
+from asyncstore.cache import _disk
 from asyncstore.cache._disk import DiskTier
 
+def stall(path, head, payload):
+    # Half of the entry written, then stop, inside the batch's transaction: the moment a
+    # SIGKILL leaves a temp file behind.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    os.write(fd, head + payload[: len(payload) // 2])
+    print("WRITING", flush=True)
+    time.sleep(3600)
+
+_disk._write_new = stall
 tier = DiskTier(sys.argv[1], int(sys.argv[2]), "file:///victim")
 print("READY", flush=True)
-sys.stdin.readline()
-# One batch: every temp file is written, then publishing waits for the index lock.
-tier.write_many([(f"v/{i}", bytes([i % 256]) * (16 << 10), None) for i in range(int(sys.argv[3]))])
+tier.write_many([(f"v/{i}", bytes([i % 256]) * (int(sys.argv[3]) << 10), None) for i in range(8)])
 """
 
 
@@ -178,55 +185,45 @@ def _left_by(pids: set[int], directory: Path) -> list[Path]:
 def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     budget = 3 << 20
-    batch = 80  # 80 x 16 KiB per victim: four of them hold about 5 MiB, over the budget
+    entry = 512  # KiB
     survivor = DiskTier(cache, budget, "file:///survivor")  # opened before the kills
-    victims = [
-        subprocess.Popen(
-            [sys.executable, "-c", VICTIM, str(cache), str(budget), str(batch)],
-            stdin=subprocess.PIPE,
+    for i in range(5):  # the survivor's entries fill most of the budget
+        assert survivor.write(f"s/{i}", bytes([i]) * (512 << 10), None)
+    pids: set[int] = set()
+    # Writers write inside the index's transaction, one temp file at a time: each of three
+    # writers killed mid-write leaves one partial entry, in room its transaction had made,
+    # and the next writer only then gets the lock.
+    for _ in range(3):
+        victim = subprocess.Popen(
+            [sys.executable, "-c", VICTIM, str(cache), str(budget), str(entry)],
             stdout=subprocess.PIPE,
             text=True,
         )
-        for _ in range(4)
-    ]
-    pids = {v.pid for v in victims}
-    try:
-        for victim in victims:
+        pids.add(victim.pid)
+        try:
             assert victim.stdout is not None
             assert victim.stdout.readline().strip() == "READY"
-        # Hold the index's write lock: the victims write their temp files, then wait.
-        lock = sqlite3.connect(cache / "index.sqlite", isolation_level=None)
-        lock.execute("BEGIN IMMEDIATE")
-        for victim in victims:
-            assert victim.stdin is not None
-            victim.stdin.write("go\n")
-            victim.stdin.flush()
-        deadline = time.monotonic() + 120
-        while len(_left_by(pids, cache)) < batch * len(victims):
-            assert time.monotonic() < deadline, "the victims did not write their batches"
-            time.sleep(0.05)
-        for victim in victims:
-            victim.send_signal(signal.SIGKILL)  # in the middle of their write batch
-            victim.wait(timeout=30)
-        lock.execute("ROLLBACK")
-        lock.close()
-        assert _dir_bytes(cache) > budget  # what the killed writers left
-        # The survivor keeps writing, and gives their bytes back without reopening.
-        deadline = time.monotonic() + 120
-        i = 0
-        while _left_by(pids, cache):
-            assert time.monotonic() < deadline, "dead writers' temp files were never reclaimed"
-            assert survivor.write(f"s/{i}", bytes([i % 256]) * (16 << 10), None)
-            i += 1
-            time.sleep(0.05)
-        assert _dir_bytes(cache) <= budget
-        assert survivor.used_bytes() <= budget
-    finally:
-        for victim in victims:
-            if victim.poll() is None:
-                victim.kill()
-            victim.communicate(timeout=30)  # and close its pipes
-        survivor.close()
+            assert victim.stdout.readline().strip() == "WRITING"
+            victim.send_signal(signal.SIGKILL)
+        finally:
+            victim.kill()
+            victim.communicate(timeout=30)
+    # Each victim, opening the directory, reclaimed what the one before it left: the last
+    # one's partial entry is there, and never more than one per killed writer.
+    left = _left_by(pids, cache)
+    assert 1 <= len(left) <= 3
+    assert _dir_bytes(cache) <= budget + 3 * (entry << 10)
+    # The survivor keeps writing, and gives their bytes back without reopening.
+    deadline = time.monotonic() + 60
+    i = 0
+    while _left_by(pids, cache):
+        assert time.monotonic() < deadline, "dead writers' temp files were never reclaimed"
+        assert survivor.write(f"t/{i}", bytes([i % 256]) * (16 << 10), None)
+        i += 1
+        time.sleep(0.05)
+    assert _dir_bytes(cache) <= budget
+    assert survivor.used_bytes() <= budget
+    survivor.close()
 
 
 def _dir_bytes(directory: Path) -> int:

@@ -6,6 +6,7 @@ import collections
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 from torch.utils.data import DataLoader
@@ -263,3 +264,39 @@ def test_local_store_with_a_percent_in_its_path_reopens_in_workers(tmp_path: Pat
     ds: StreamingDataset[str] = StreamingDataset(store, decode=key_of)
     assert list(ds) == ["k"]
     ds.close()
+
+
+@pytest.mark.parametrize("policy", ["plan", "lru"])
+def test_a_second_epoch_fetches_nothing_the_process_already_has(
+    tmp_path: Path, policy: Literal["plan", "lru"]
+) -> None:
+    # A dataset three times the memory tier, read twice back to back: every sample of the
+    # second epoch is in memory, on disk, or still on its way there; none is fetched again
+    # (each such read is a paid request on S3).
+    root = tmp_path / "data"
+    blob = bytes(range(256)) * 200  # 51,200 bytes
+    for i in range(3000):
+        path = root / f"{i // 1000}" / f"{i:04d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(blob)
+    ds: StreamingDataset[bytes] = StreamingDataset(
+        root,
+        cache_dir=tmp_path / "cache",
+        memory_bytes=50_000_000,
+        disk_bytes=1_000_000_000,
+        shuffle=True,
+        cache_policy=policy,
+    )
+    try:
+        fetched = []
+        for epoch in range(2):
+            ds.set_epoch(epoch)
+            assert sum(1 for _ in ds) == 3000
+            stats = ds.stats()
+            assert stats is not None
+            assert stats.cache is not None
+            fetched.append(stats.cache.store.fetches)
+        assert fetched[0] == 3000
+        assert fetched[1] == fetched[0], f"epoch 2 fetched {fetched[1] - fetched[0]} again"
+    finally:
+        ds.close()

@@ -225,94 +225,96 @@ class DiskTier:
         Batching matters: the transaction and the thread hop that carries this call cost
         more than writing a small entry's file.
 
-        Files are renamed into place and victims unlinked *inside* the transaction, which
-        holds SQLite's write lock: no other process can evict, remove or re-admit an entry
-        between its row changing and its file changing, so the index and the files agree.
+        Room is made before bytes are written: inside the transaction, which holds SQLite's
+        write lock across processes, each entry evicts what it needs, then is written to a
+        temp file and renamed into place, one at a time. The directory therefore never
+        holds more than the budget (one temp file at a time per writer, inside room already
+        made for it), however many writers burst at once; and no other process can evict,
+        remove or re-admit an entry between its row changing and its file changing.
+        Writers of other processes wait for the lock meanwhile: the writes go to the page
+        cache (no fsync), so a batch holds it for about as long as copying its bytes.
         """
-        staged: list[tuple[str, str, str, int]] = []
         results = [False] * len(items)
-        positions: list[int] = []
         # Asked each time, not kept: a forked child must name its temp files after itself.
         pid = os.getpid()
         if time.monotonic() >= self._next_reclaim:
             self.reclaim_dead_writers()
-        try:
-            for position, (key, payload, etag) in enumerate(items):
-                name = self.name_for(key)
-                head = _encode_head(self._identity_bytes, key, payload, etag)
-                size = len(head) + len(payload)
-                if size > self.budget:
-                    continue
-                shard = name[:2]
-                if shard not in self._shards:
-                    os.makedirs(f"{self._root}/{shard}", exist_ok=True)
-                    self._shards.add(shard)
-                tmp = f"{self._tmp_dir}/{pid}-{secrets.token_hex(6)}"
-                staged.append((name, tmp, self.path_for(name), size))
-                positions.append(position)
-                _write_new(tmp, head, payload)
-            self.flush_touches()
-            for position, published in zip(positions, self._publish(staged), strict=True):
-                results[position] = published
-        finally:
-            for _, tmp, _, _ in staged:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-        return results
-
-    def _publish(self, staged: list[tuple[str, str, str, int]]) -> list[bool]:
-        """Admit staged files under the budget, evicting oldest entries; one transaction."""
-        published = [False] * len(staged)
+        self.flush_touches()
         renamed: list[str] = []
+        tmp = ""
         try:
             with self._transaction() as db:
                 limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                admitted: dict[str, int] = {}  # name -> position in staged
-                doomed: set[str] = set()  # names whose file must go (evicted or replaced)
-                for position, (name, _, _, size) in enumerate(staged):
+                kept: dict[str, int] = {}  # name -> position of the item that is its entry
+                for position, (key, payload, etag) in enumerate(items):
+                    name = self.name_for(key)
+                    head = _encode_head(self._identity_bytes, key, payload, etag)
+                    size = len(head) + len(payload)
                     old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
                     if old:
+                        # Replaced, or stale if the new bytes cannot be kept: goes either way.
                         total -= old[0]
                         db.execute("DELETE FROM entries WHERE name = ?", (name,))
-                        doomed.add(name)
-                        admitted.pop(name, None)
+                        self._unlink(name)
+                        if name in kept:
+                            results[kept.pop(name)] = False
                     if size > limit:
                         continue
                     if total + size > limit:
-                        # Lazily, oldest first: only as many rows as needed are read.
-                        chosen = []
-                        for victim, victim_size in db.execute(
-                            "SELECT name, size FROM entries ORDER BY atime"
-                        ):
-                            chosen.append(victim)
-                            total -= victim_size
-                            if total + size <= limit:
-                                break
-                        db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in chosen])
-                        for victim in chosen:
-                            doomed.add(victim)
-                            admitted.pop(victim, None)  # evicted by a later one of this batch
-                        self.evictions += len(chosen)
+                        total = self._evict(db, total, size, limit, kept, results)
+                    shard = name[:2]
+                    if shard not in self._shards:
+                        os.makedirs(f"{self._root}/{shard}", exist_ok=True)
+                        self._shards.add(shard)
+                    tmp = f"{self._tmp_dir}/{pid}-{secrets.token_hex(6)}"
+                    _write_new(tmp, head, payload)
+                    final = self.path_for(name)
+                    os.rename(tmp, final)
+                    tmp = ""
+                    renamed.append(final)
                     db.execute("INSERT INTO entries VALUES (?, ?, ?)", (name, size, time.time()))
                     total += size
-                    admitted[name] = position
+                    kept[name] = position
+                    results[position] = True
                 db.execute("UPDATE total SET bytes = ?", (total,))
-                for name in doomed - admitted.keys():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path_for(name))
-                for position in admitted.values():
-                    _, tmp, final, _ = staged[position]
-                    os.rename(tmp, final)
-                    renamed.append(final)
-                    published[position] = True
         except BaseException:
             # Rolled back: files published in this batch have no rows any more.
-            for final in renamed:
+            for path in [tmp, *renamed] if tmp else renamed:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(final)
+                    os.unlink(path)
             raise
-        return published
+        return results
+
+    def _evict(
+        self,
+        db: sqlite3.Connection,
+        total: int,
+        size: int,
+        limit: int,
+        kept: dict[str, int],
+        results: list[bool],
+    ) -> int:
+        """Evict the oldest entries until ``size`` more bytes fit; returns the new total.
+        Lazily: only as many rows as needed are read. Their files go now, before the new
+        entry's bytes are written."""
+        chosen = []
+        for victim, victim_size in db.execute("SELECT name, size FROM entries ORDER BY atime"):
+            chosen.append(victim)
+            total -= victim_size
+            if total + size <= limit:
+                break
+        db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in chosen])
+        for victim in chosen:
+            self._unlink(victim)
+            if victim in kept:  # written earlier in this batch, evicted by a later item
+                results[kept.pop(victim)] = False
+        self.evictions += len(chosen)
+        return total
+
+    def _unlink(self, name: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path_for(name))
 
     @contextlib.contextmanager
     def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:

@@ -170,6 +170,9 @@ class TieredCache:
         self._write_task: asyncio.Future[None] | None = None
         self._pending: list[tuple[str, bytes, str | None]] = []
         self._pending_bytes = 0
+        # Every entry queued for the disk tier or being written to it, by cache key: until it
+        # is on disk, a read is served from these bytes, never fetched again.
+        self._unwritten: dict[str, tuple[str, bytes, str | None]] = {}
         self._generations: dict[str, int] = {}  # bumped by invalidate()
         # validate="etag": ETag of each cached entry, and the last checked ETag per object.
         self._entry_etags: dict[str, str | None] = {}
@@ -263,6 +266,8 @@ class TieredCache:
             return None
         key = check_key(key, self._store.url)
         value = self._memory.get(key)
+        if value is None and (queued := self._unwritten.get(key)) is not None:
+            value = self._promote(key, queued[1])
         if value is not None:
             self._gets += 1
             self._mem_stats.hits += 1
@@ -338,6 +343,15 @@ class TieredCache:
     ) -> bytes:
         value = self._memory.get(cache_key)
         if value is not None and await self._fresh(cache_key, key):
+            self._mem_stats.hits += 1
+            self._mem_stats.bytes_served += len(value)
+            return value
+        queued = self._unwritten.get(cache_key)
+        if queued is not None and (
+            self._validate == "none" or queued[2] == await self._current_etag(key)
+        ):
+            # Fetched, and still on its way to the disk tier: these bytes are in memory.
+            value = self._promote(cache_key, queued[1])
             self._mem_stats.hits += 1
             self._mem_stats.bytes_served += len(value)
             return value
@@ -482,13 +496,20 @@ class TieredCache:
             self._background(self._flush_touches(disk))
         return hit
 
+    def _promote(self, cache_key: str, data: bytes) -> bytes:
+        if not self._memory.put(cache_key, data):
+            self._mem_stats.bypassed += 1
+        return data
+
     def _queue_write(self, cache_key: str, data: bytes, etag: str | None) -> None:
         # Writes go to disk in batches, one thread hop and one index transaction each: per
         # entry, both cost more than writing a small entry's file.
         if self._pending_bytes + len(data) > WRITE_QUEUE_BYTES:
             self._disk_stats.bypassed += 1  # the disk cannot keep up: skip, it is a cache
             return
-        self._pending.append((cache_key, data, etag))
+        item = (cache_key, data, etag)
+        self._pending.append(item)
+        self._unwritten[cache_key] = item
         self._pending_bytes += len(data)
         if not self._writing:
             self._writing = True
@@ -498,7 +519,15 @@ class TieredCache:
         try:
             while self._pending and self._disk is not None:
                 batch, self._pending, self._pending_bytes = self._pending, [], 0
-                await self._disk_call(self._disk.write_many, batch)
+                try:
+                    kept = await self._disk_call(self._disk.write_many, batch)
+                finally:
+                    for item in batch:
+                        if self._unwritten.get(item[0]) is item:  # not queued again since
+                            del self._unwritten[item[0]]
+                if kept is not None:
+                    # Larger than the room the budget leaves: served, not kept.
+                    self._disk_stats.bypassed += kept.count(False)
         finally:
             self._writing = False
 
@@ -544,6 +573,7 @@ class TieredCache:
             )
         disk, self._disk = self._disk, None
         self._pending, self._pending_bytes = [], 0
+        self._unwritten.clear()
         if disk is not None:
             # Closing waits for the index lock, which a worker thread may hold for a while:
             # never on the event loop.
@@ -645,6 +675,8 @@ class TieredCache:
         if len(kept) != len(self._pending):
             self._pending = kept
             self._pending_bytes = sum(len(item[1]) for item in kept)
+        for cache_key in [k for k in self._unwritten if k.split("\x00", 1)[0] == key]:
+            del self._unwritten[cache_key]
         if self._disk is not None:
             await self._settle_writes()
             await self._disk_call(self._disk.remove, key)
@@ -655,6 +687,7 @@ class TieredCache:
         self._entry_etags.clear()
         self._checked.clear()
         self._pending, self._pending_bytes = [], 0
+        self._unwritten.clear()
         if self._disk is not None:
             await self._settle_writes()
             await self._disk_call(self._disk.clear)

@@ -1,0 +1,152 @@
+"""The disk tier's budget holds at every instant: bursts of concurrent misses, in one process
+and in several, sampled while they run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import asyncstore
+from asyncstore.cache import TieredCache
+
+pytestmark = pytest.mark.anyio
+
+MB = 1_000_000
+ENTRY_SLACK = 4096  # an entry's header: source, key, ETag and lengths
+
+
+def directory_bytes(directory: Path) -> int:
+    """Every byte under ``directory``: entries, temp files, the index and its log."""
+    total = 0
+    for root, _, files in os.walk(directory):
+        for name in files:
+            # Renamed or unlinked between the listing and the stat: not there any more.
+            with contextlib.suppress(FileNotFoundError):
+                total += os.stat(os.path.join(root, name)).st_size
+    return total
+
+
+class Sampler:
+    """The largest :func:`directory_bytes` seen, sampled about every millisecond in a
+    thread while the block runs."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.directory.exists():
+                self.peak = max(self.peak, directory_bytes(self.directory))
+                self.samples += 1
+            self._stop.wait(0.001)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def test_a_burst_of_misses_never_overfills_the_directory(tmp_path: Path) -> None:
+    # The reproduction: 40 concurrent misses of 1 MB objects under disk_bytes=4_000_000 put
+    # up to 30 MB on disk before settling, when entries were written before being admitted.
+    budget = 4 * MB
+    cache_dir = tmp_path / "cache"
+    async with asyncstore.open_store(tmp_path / "store") as store:
+        for i in range(40):
+            await store.put(f"shard/{i:02d}", bytes([i]) * MB)
+        with Sampler(cache_dir) as sampler:
+            for _ in range(2):  # a second burst, over a full directory
+                async with TieredCache(
+                    store, memory_bytes=1, disk_dir=cache_dir, disk_bytes=budget
+                ) as cache:
+                    got = await asyncio.gather(*(cache.get(f"shard/{i:02d}") for i in range(40)))
+                    assert got == [bytes([i]) * MB for i in range(40)]
+                    stats = cache.stats()
+        assert sampler.samples > 10
+        # One process, one writer: the budget, plus the one entry it may be writing.
+        assert sampler.peak <= budget + MB + ENTRY_SLACK, sampler.peak
+        assert directory_bytes(cache_dir) <= budget
+        assert stats.disk.enabled
+
+
+WORKER = """
+import asyncio, sys
+import asyncstore
+from asyncstore.cache import TieredCache
+
+async def main(store_dir, cache_dir, budget, first):
+    async with asyncstore.open_store(store_dir) as store, TieredCache(
+        store, memory_bytes=1, disk_dir=cache_dir, disk_bytes=budget
+    ) as cache:
+        keys = [f"shard/{(first + i) % 40:02d}" for i in range(40)]
+        for _ in range(3):
+            got = await asyncio.gather(*(cache.get(k) for k in keys))
+            assert all(len(g) == 500_000 for g in got)
+    print("OK", flush=True)
+
+asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+"""
+
+
+def test_bursts_from_several_processes_share_one_budget(tmp_path: Path) -> None:
+    budget = 3 * MB
+    cache_dir = tmp_path / "cache"
+    for i in range(40):
+        path = tmp_path / "store" / "shard" / f"{i:02d}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(bytes([i]) * (MB // 2))
+    writers = 3
+    with Sampler(cache_dir) as sampler:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    WORKER,
+                    str(tmp_path / "store"),
+                    str(cache_dir),
+                    str(budget),
+                    str(13 * n),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for n in range(writers)
+        ]
+        for proc in procs:
+            out, err = proc.communicate(timeout=100)
+            assert proc.returncode == 0, err[-2000:]
+            assert out.strip() == "OK"
+    assert sampler.samples > 10
+    # One entry in flight per writer at most, beyond the budget.
+    assert sampler.peak <= budget + writers * (MB // 2 + ENTRY_SLACK), sampler.peak
+    assert directory_bytes(cache_dir) <= budget
+
+
+async def test_an_entry_that_cannot_fit_is_served_not_kept_and_counted(tmp_path: Path) -> None:
+    async with asyncstore.open_store(tmp_path / "store") as store:
+        await store.put("big", bytes(2 * MB))
+        await store.put("small", bytes(1000))
+        async with TieredCache(
+            store, memory_bytes=1, disk_dir=tmp_path / "cache", disk_bytes=MB
+        ) as cache:
+            assert await cache.get("big") == bytes(2 * MB)
+            assert await cache.get("small") == bytes(1000)
+        stats = cache.stats()
+    assert stats.disk.bypassed == 1
+    assert directory_bytes(tmp_path / "cache") <= MB
