@@ -280,7 +280,7 @@ class DiskTier:
                 db.execute("UPDATE total SET bytes = ?", (total,))
         except BaseException:
             # Rolled back: files published in this batch have no rows any more.
-            for path in [tmp, *renamed] if tmp else renamed:
+            for path in [p for p in (tmp, *renamed) if p]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
@@ -358,9 +358,7 @@ class DiskTier:
             if row:
                 db.execute("DELETE FROM entries WHERE name = ?", (name,))
                 db.execute("UPDATE total SET bytes = bytes - ?", (row[0],))
-            # Inside the transaction, like publishing: see write_many.
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path_for(name))
+            self._unlink(name)  # inside the transaction, like publishing: see write_many
         with self._touch_lock:
             self._touched.pop(name, None)
 
@@ -368,8 +366,7 @@ class DiskTier:
         """Remove every entry (of every process)."""
         with self._transaction() as db:
             for (name,) in db.execute("SELECT name FROM entries").fetchall():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path_for(name))
+                self._unlink(name)
             db.execute("DELETE FROM entries")
             db.execute("UPDATE total SET bytes = 0")
         with self._touch_lock:

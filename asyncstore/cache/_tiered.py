@@ -342,16 +342,15 @@ class TieredCache:
         self, cache_key: str, key: str, load: _Loader, *, keep_empty: bool = True
     ) -> bytes:
         value = self._memory.get(cache_key)
-        if value is not None and await self._fresh(cache_key, key):
-            self._mem_stats.hits += 1
-            self._mem_stats.bytes_served += len(value)
-            return value
-        queued = self._unwritten.get(cache_key)
+        if value is not None and not await self._fresh(cache_key, key):
+            value = None
+        # Fetched, and still on its way to the disk tier: these bytes are in memory.
+        queued = self._unwritten.get(cache_key) if value is None else None
         if queued is not None and (
             self._validate == "none" or queued[2] == await self._current_etag(key)
         ):
-            # Fetched, and still on its way to the disk tier: these bytes are in memory.
             value = self._promote(cache_key, queued[1])
+        if value is not None:
             self._mem_stats.hits += 1
             self._mem_stats.bytes_served += len(value)
             return value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import io
 import os
 from collections.abc import Iterable, Mapping
@@ -15,6 +14,7 @@ import xxhash
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
+from ._save import _view
 from ._target import FileSource, Source, StoreSource, resolve
 from ._threads import run_thread, shielded
 from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
@@ -249,9 +249,11 @@ def fixed_storage(nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
     if nbytes == 0:
         return torch.UntypedStorage(0), memoryview(bytearray())  # type: ignore[no-untyped-call]
     owner = torch.empty(nbytes, dtype=torch.uint8)
-    array = (ctypes.c_ubyte * nbytes).from_address(owner.data_ptr())
-    array._owner = owner  # type: ignore[attr-defined]  # freed with the storage, not before
-    return torch.frombuffer(array, dtype=torch.uint8).untyped_storage(), memoryview(array).cast("B")
+    memory = _view(owner)
+    # The ctypes array under the view keeps the tensor that owns the memory alive, and the
+    # storage keeps the array alive: the memory goes back to torch with the storage.
+    memory.obj._owner = owner  # type: ignore[attr-defined]
+    return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), memory
 
 
 # Allocations from this size on are checked against the memory the machine has free.
@@ -592,11 +594,9 @@ async def _fill(
         storage = (await reader.storages([by_id[sid]]))[sid]
         for key in names:
             loaded = obj[key]
-            shape, stride = tuple(loaded.shape), loaded.stride()
-            check_view(storage, loaded.storage_offset(), shape, stride, loaded.dtype, url)
-            view = torch.empty(0, dtype=loaded.dtype).set_(
-                storage, loaded.storage_offset(), loaded.shape, loaded.stride()
-            )
+            offset, shape, stride = loaded.storage_offset(), tuple(loaded.shape), loaded.stride()
+            check_view(storage, offset, shape, stride, loaded.dtype, url)
+            view = torch.empty(0, dtype=loaded.dtype).set_(storage, offset, shape, stride)
             with torch.no_grad():
                 into[key].copy_(view)
         del storage
