@@ -190,9 +190,9 @@ def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path
     for i in range(5):  # the survivor's entries fill most of the budget
         assert survivor.write(f"s/{i}", bytes([i]) * (512 << 10), None)
     pids: set[int] = set()
-    # Writers write inside the index's transaction, one temp file at a time: each of three
-    # writers killed mid-write leaves one partial entry, in room its transaction had made,
-    # and the next writer only then gets the lock.
+    # Writers write inside the index's transaction: each of three writers, killed in the
+    # middle of its first entry, leaves one partial temp file, and the next writer only then
+    # gets the lock.
     for _ in range(3):
         victim = subprocess.Popen(
             [sys.executable, "-c", VICTIM, str(cache), str(budget), str(entry)],

@@ -226,11 +226,12 @@ class DiskTier:
         more than writing a small entry's file.
 
         Room is made before bytes are written: inside the transaction, which holds SQLite's
-        write lock across processes, each entry evicts what it needs, then is written to a
-        temp file and renamed into place, one at a time. The directory therefore never
-        holds more than the budget (one temp file at a time per writer, inside room already
-        made for it), however many writers burst at once; and no other process can evict,
-        remove or re-admit an entry between its row changing and its file changing.
+        write lock across processes, each entry evicts what it needs before its temp file is
+        written, so the directory never holds more than the budget however many writers
+        burst at once. The temp files are renamed into place at the end of the transaction:
+        no other process can evict, remove or re-admit an entry between its row changing and
+        its file changing, and a writer killed while writing leaves only temp files (named
+        after its pid, reclaimed by the survivors), not entries the index does not know.
         Writers of other processes wait for the lock meanwhile: the writes go to the page
         cache (no fsync), so a batch holds it for about as long as copying its bytes.
         """
@@ -240,13 +241,24 @@ class DiskTier:
         if time.monotonic() >= self._next_reclaim:
             self.reclaim_dead_writers()
         self.flush_touches()
+        kept: dict[str, int] = {}  # name -> position of the item written for it
+        staged: dict[str, str] = {}  # name -> its temp file, renamed at the end
         renamed: list[str] = []
         tmp = ""
+
+        def drop(name: str) -> None:
+            # Its row is gone: its file goes too, a temp file of this batch or an entry.
+            if name in kept:
+                results[kept.pop(name)] = False
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(staged.pop(name))
+            else:
+                self._unlink(name)
+
         try:
             with self._transaction() as db:
                 limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                kept: dict[str, int] = {}  # name -> position of the item that is its entry
                 for position, (key, payload, etag) in enumerate(items):
                     name = self.name_for(key)
                     head = _encode_head(self._identity_bytes, key, payload, etag)
@@ -256,48 +268,43 @@ class DiskTier:
                         # Replaced, or stale if the new bytes cannot be kept: goes either way.
                         total -= old[0]
                         db.execute("DELETE FROM entries WHERE name = ?", (name,))
-                        self._unlink(name)
-                        if name in kept:
-                            results[kept.pop(name)] = False
+                        drop(name)
                     if size > limit:
                         continue
                     if total + size > limit:
-                        total = self._evict(db, total, size, limit, kept, results)
-                    shard = name[:2]
-                    if shard not in self._shards:
-                        os.makedirs(f"{self._root}/{shard}", exist_ok=True)
-                        self._shards.add(shard)
+                        victims, total = self._evict(db, total, size, limit)
+                        for victim in victims:
+                            drop(victim)
                     tmp = f"{self._tmp_dir}/{pid}-{secrets.token_hex(6)}"
                     _write_new(tmp, head, payload)
-                    final = self.path_for(name)
-                    os.rename(tmp, final)
-                    tmp = ""
-                    renamed.append(final)
+                    staged[name], tmp = tmp, ""
                     db.execute("INSERT INTO entries VALUES (?, ?, ?)", (name, size, time.time()))
                     total += size
                     kept[name] = position
                     results[position] = True
                 db.execute("UPDATE total SET bytes = ?", (total,))
+                for name, staged_tmp in staged.items():
+                    shard = name[:2]
+                    if shard not in self._shards:
+                        os.makedirs(f"{self._root}/{shard}", exist_ok=True)
+                        self._shards.add(shard)
+                    final = self.path_for(name)
+                    os.rename(staged_tmp, final)
+                    renamed.append(final)
         except BaseException:
-            # Rolled back: files published in this batch have no rows any more.
-            for path in [p for p in (tmp, *renamed) if p]:
+            # Rolled back: files written or published in this batch have no rows any more.
+            for path in filter(None, [tmp, *staged.values(), *renamed]):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
         return results
 
     def _evict(
-        self,
-        db: sqlite3.Connection,
-        total: int,
-        size: int,
-        limit: int,
-        kept: dict[str, int],
-        results: list[bool],
-    ) -> int:
-        """Evict the oldest entries until ``size`` more bytes fit; returns the new total.
-        Lazily: only as many rows as needed are read. Their files go now, before the new
-        entry's bytes are written."""
+        self, db: sqlite3.Connection, total: int, size: int, limit: int
+    ) -> tuple[list[str], int]:
+        """Delete the rows of the oldest entries until ``size`` more bytes fit; returns them
+        and the new total (the caller removes their files). Lazily: only as many rows as
+        needed are read."""
         chosen = []
         for victim, victim_size in db.execute("SELECT name, size FROM entries ORDER BY atime"):
             chosen.append(victim)
@@ -305,12 +312,8 @@ class DiskTier:
             if total + size <= limit:
                 break
         db.executemany("DELETE FROM entries WHERE name = ?", [(v,) for v in chosen])
-        for victim in chosen:
-            self._unlink(victim)
-            if victim in kept:  # written earlier in this batch, evicted by a later item
-                results[kept.pop(victim)] = False
         self.evictions += len(chosen)
-        return total
+        return chosen, total
 
     def _unlink(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
