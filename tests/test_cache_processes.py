@@ -3,6 +3,8 @@ fill up or turn read-only under the cache."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -105,6 +107,76 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
         files = list(cache.glob("*/*.entry"))
         assert sum(f.stat().st_size for f in files) <= budget
     finally:
+        tier.close()
+
+
+LOG_WRITER = """
+import os, random, sys, time
+from asyncstore.cache._disk import DiskTier
+
+tier = DiskTier(sys.argv[1], int(sys.argv[2]), "file:///source")
+rng = random.Random(int(sys.argv[3]))
+end = time.monotonic() + float(sys.argv[4])
+while time.monotonic() < end:
+    size = rng.randrange(1, 6)
+    tier.write_many(
+        [(f"k/{rng.randrange(200)}", os.urandom(rng.randrange(2000, 12000)), None)
+         for _ in range(size)]
+    )
+    for _ in range(3):  # readers of the index, as every process has
+        tier.used_bytes()
+        tier.read(f"k/{rng.randrange(200)}")
+tier.close()
+"""
+
+
+def test_index_log_stays_within_its_reserve_under_many_writers(tmp_path: Path) -> None:
+    # SQLite's own checkpoints are passive: with five processes reading and writing the
+    # index, its write-ahead log grew to 300+ KiB (of a 400 KiB budget) and the room left
+    # for entries collapsed to nothing. It must stay near its reserve.
+    budget = 400 * KiB
+    reserve = budget // 8  # DiskTier's reserve for the log at this budget
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", LOG_WRITER, str(tmp_path), str(budget), str(seed), "3"],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(5)
+    ]
+    largest = 0
+    while any(proc.poll() is None for proc in procs):
+        with contextlib.suppress(FileNotFoundError):
+            largest = max(largest, (tmp_path / "index.sqlite-wal").stat().st_size)
+        time.sleep(0.001)
+    for proc in procs:
+        _out, err = proc.communicate()
+        assert proc.returncode == 0, err
+    assert largest > 0  # the sampler saw the log
+    # One transaction's frames (4 KiB pages plus headers) may land past the reserve.
+    assert largest <= reserve + 8 * (4096 + 24) + 32
+
+
+def test_a_stuck_lock_holder_fails_writers_instead_of_hanging(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fcntl
+    import sqlite3
+
+    from asyncstore.cache import _disk
+
+    monkeypatch.setattr(_disk, "_BUSY_TIMEOUT_MS", 300)
+    tier = DiskTier(tmp_path, 1 << 20, "file:///source")
+    holder = os.open(tmp_path / "index.lock", os.O_RDWR)  # as a stopped process would
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(sqlite3.OperationalError, match="stayed locked"):
+            tier.write("k", b"x" * 100, None)
+        fcntl.flock(holder, fcntl.LOCK_UN)
+        assert tier.write("k", b"x" * 100, None)  # works again once it is released
+        assert tier.read("k") == (b"x" * 100, None)
+    finally:
+        os.close(holder)
         tier.close()
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import sqlite3
@@ -67,6 +68,11 @@ _STALE_TMP_SECONDS = 3600.0
 _TMP = "tmp"
 
 RECLAIM_INTERVAL = 1.0
+# Index lock waits: other processes hold it only for one batch's transaction.
+_BUSY_TIMEOUT_MS = 60_000
+# How long a commit waits for readers to truncate an oversized write-ahead log: readers
+# hold it for one query, so this is ample; when it is not, the next commit tries again.
+_CHECKPOINT_WAIT_MS = 200
 """Seconds between two looks, by one writing process, for temp files of dead writers: a
 listing of the temp directory (a few names per live writer) and a liveness check per pid."""
 
@@ -101,8 +107,15 @@ class DiskTier:
         os.makedirs(self._tmp_dir, exist_ok=True)
         self._next_reclaim = 0.0
         self._db_path = self.directory / "index.sqlite"
+        # Empty: only its lock matters (see _transaction).
+        self._lock_fd = os.open(
+            f"{self._root}/index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
+        )
         self._db = sqlite3.connect(
-            self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False
+            self._db_path,
+            timeout=_BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,
+            check_same_thread=False,
         )
         # WAL lets readers and one writer proceed together; NORMAL sync is enough for a cache
         # (a lost index update after power loss only forgets or over-counts an entry, and the
@@ -324,15 +337,64 @@ class DiskTier:
         """Hold this process's index lock and one SQLite transaction: commit on success,
         roll back on any error."""
         with self._db_lock:
-            db = self._db
-            db.execute(begin)
+            self._lock_writers()
             try:
-                yield db
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
+                db = self._db
+                db.execute(begin)
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    with contextlib.suppress(sqlite3.Error):
+                        db.execute("ROLLBACK")
+                    raise
+                self._bound_log()
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _lock_writers(self) -> None:
+        """Take the lock that every process's writers share, or raise after
+        :data:`_BUSY_TIMEOUT_MS`.
+
+        Writers take it before SQLite's own lock, so that the log can be truncated with no
+        writer between two commits (see :meth:`_bound_log`). It is polled at most every
+        5 ms (SQLite polls its lock with sleeps of up to 100 ms). A killed holder's lock is
+        released by the kernel; a stopped one makes the others fail after the timeout, as
+        SQLite's lock would, which turns the tier off rather than hanging the job.
+        """
+        fd = self._lock_fd
+        deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
+        pause = 0.0001
+        while not _try_lock(fd):
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError(
+                    f"the cache index in {self._root} stayed locked by another process "
+                    f"for {_BUSY_TIMEOUT_MS // 1000} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+
+    def _bound_log(self) -> None:
+        """Keep the write-ahead log within its reserve.
+
+        SQLite's automatic checkpoint is passive: while other processes keep reading, it
+        never finishes, the log is never restarted and it grows without bound (measured:
+        0.5 MB over a 600 KiB budget with six processes), shrinking the room left for entries
+        to nothing. Past the reserve, wait briefly for the readers and truncate it.
+        """
+        try:
+            size = os.stat(f"{self._db_path}-wal").st_size
+        except FileNotFoundError:
+            return
+        if size <= self._wal_reserve:
+            return
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+        try:
+            # Busy is not an error here: another writer holds the log; the next commit retries.
+            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        finally:
+            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
 
     def _limit(self) -> int:
         # The index counts against the budget, and its write-ahead log grows after this
@@ -475,6 +537,9 @@ class DiskTier:
             self.flush_touches()
         with self._db_lock:  # after any call still running in another thread
             self._db.close()
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)
+                self._lock_fd = -1
 
 
 def _encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> bytes:
@@ -541,6 +606,14 @@ def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[
     at += key_len
     etag = bytes(view[at:start]).decode() or None
     return bytes(view[start:]), etag
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _alive(pid: int) -> bool:
