@@ -194,10 +194,14 @@ class Store(Protocol):
         """Delete the object. Deleting a missing key is not an error (as in S3)."""
         ...
 
-    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    def list(self, prefix: str = "", *, start_after: str = "") -> AsyncIterator[ObjectInfo]:
         """Yield every object whose key starts with ``prefix``, in lexicographic key order.
 
         Pages are fetched as the iteration goes, so memory stays constant whatever the count.
+        ``start_after`` resumes an interrupted listing from the last key it yielded: only
+        the keys after that one are listed (S3's ``StartAfter``). Local and memory stores
+        also take any string there, in byte order; some S3-compatible servers (SeaweedFS)
+        read a string that is not a key as a directory name.
         """
         ...
 
@@ -277,10 +281,16 @@ class BaseStore(abc.ABC):
         self._check_open()
         await self._delete(check_key(key, self._url))
 
-    def list(self, prefix: str = "") -> AsyncIterator[ObjectInfo]:
+    def list(self, prefix: str = "", *, start_after: str = "") -> AsyncIterator[ObjectInfo]:
         """See :meth:`Store.list`."""
         self._check_open()
-        return self._list(check_prefix(prefix, self._url))
+        prefix = check_prefix(prefix, self._url)
+        if not isinstance(start_after, str):
+            raise InvalidArgument(
+                f"start_after={start_after!r}: pass the last key already listed (a str), "
+                "or '' to list from the start"
+            )
+        return self._list(prefix, start_after)
 
     def open_writer(self, key: str) -> BaseWriter:
         """See :meth:`Store.open_writer`."""
@@ -339,7 +349,7 @@ class BaseStore(abc.ABC):
     async def _delete(self, key: str) -> None: ...
 
     @abc.abstractmethod
-    def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]: ...
+    def _list(self, prefix: str, start_after: str) -> AsyncIterator[ObjectInfo]: ...
 
     @abc.abstractmethod
     def _open_writer(self, key: str) -> BaseWriter: ...

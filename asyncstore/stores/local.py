@@ -350,7 +350,7 @@ class LocalStore(BaseStore):
         out.sort(key=lambda item: item[0])
         return out
 
-    async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+    async def _list(self, prefix: str, start_after: str) -> AsyncIterator[ObjectInfo]:
         rel_dir, _, name_prefix = prefix.rpartition("/")
         # Depth-first over sorted directories: memory holds one listing per level, not the tree.
         stack: list[tuple[str, list[tuple[str, bool, ObjectInfo | None]], int]] = []
@@ -364,8 +364,13 @@ class LocalStore(BaseStore):
             name, is_dir, info = entries[index]
             if is_dir:
                 sub = f"{directory}/{name[:-1]}" if directory else name[:-1]
+                # Every key below starts with sub + "/": skip the directory unread when all
+                # of them sort before start_after (it neither is nor extends that prefix).
+                below = sub + "/"
+                if below < start_after and not start_after.startswith(below):
+                    continue
                 stack.append((sub, await self._run(prefix, "list", self._scan, sub, ""), 0))
-            elif info is not None:
+            elif info is not None and info.key > start_after:
                 yield info
 
     def open_writer(self, key: str, *, direct: bool = False) -> BaseWriter:

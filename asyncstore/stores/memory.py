@@ -99,11 +99,13 @@ class MemoryStore(BaseStore):
         await anyio.lowlevel.checkpoint()
         self._objects_now().pop(self._prefix + key, None)
 
-    async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+    async def _list(self, prefix: str, start_after: str) -> AsyncIterator[ObjectInfo]:
         full = self._prefix + prefix
-        # Snapshot the matching keys: the dict may change while the caller iterates.
-        keys = sorted(k for k in list(self._objects_now()) if k.startswith(full))
         cut = len(self._prefix)
+        # Snapshot the matching keys: the dict may change while the caller iterates.
+        keys = sorted(
+            k for k in list(self._objects_now()) if k.startswith(full) and k[cut:] > start_after
+        )
         for index, full_key in enumerate(keys):
             if index % 1000 == 0:
                 await anyio.lowlevel.checkpoint()

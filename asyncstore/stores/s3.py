@@ -708,13 +708,17 @@ class S3Store(BaseStore):
             await self._call(key, "abort upload", abort)
         return len(uploads)
 
-    async def _list(self, prefix: str) -> AsyncIterator[ObjectInfo]:
+    async def _list(self, prefix: str, start_after: str) -> AsyncIterator[ObjectInfo]:
         token: str | None = None
         cut = len(self._root)
         while True:
 
             async def attempt(client: Any, token: str | None = token) -> dict[str, Any]:
-                extra = {"ContinuationToken": token} if token else {}
+                extra: dict[str, str] = {}
+                if token:
+                    extra["ContinuationToken"] = token
+                elif start_after:
+                    extra["StartAfter"] = self._root + start_after
                 return dict(
                     await client.list_objects_v2(
                         Bucket=self._bucket, Prefix=self._root + prefix, MaxKeys=1000, **extra
