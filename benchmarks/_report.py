@@ -30,14 +30,16 @@ def machine() -> str:
     )
 
 
-def record(name: str, title: str, lines: list[str]) -> None:
-    """Write ``lines`` into docs/benchmarks.md between the markers of benchmark ``name``.
+def record(name: str, title: str, lines: list[str], script: str | None = None) -> None:
+    """Write ``lines`` into docs/benchmarks.md between the markers of benchmark ``name``
+    (made by ``benchmarks/<script>.py``, by default ``name``).
 
     The section is replaced on each run; text outside the markers (the commentary) stays.
     """
     marker = f"<!-- {name} -->"
+    made_by = f"benchmarks/{script or name}.py"
     section = (
-        f"{marker}\n## {title} (`benchmarks/{name}.py`, {time.strftime('%Y-%m-%d')})\n\n"
+        f"{marker}\n## {title} (`{made_by}`, {time.strftime('%Y-%m-%d')})\n\n"
         + "\n".join(lines)
         + f"\n{marker}\n"
     )

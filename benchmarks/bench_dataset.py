@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -199,6 +199,192 @@ def run_larger_than_memory(
     say()
 
 
+def synthetic_key(i: int) -> str:
+    return f"train/{i // 1000:05d}/{i:08d}.jpg"
+
+
+def anon_mib() -> float:
+    """This process's anonymous resident memory (heap, not mapped files), in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def private_mib() -> float:
+    """Memory only this process holds (pages it wrote, its copies of a parent's), in MiB:
+    for a forked worker, what it costs beyond the pages it still shares."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Private_Dirty:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def record_worker_memory(key: str, data: bytes) -> bytes:
+    """A decode that notes each worker's private memory at its first sample."""
+    info = get_worker_info()
+    if info is not None:
+        note = Path(os.environ["BENCH_NOTES"]) / f"worker-{info.id}"
+        if not note.exists():
+            note.write_text(f"{private_mib():.1f}")
+    return data
+
+
+def many_keys_child(mode: str, source: str, cache: str, count: int) -> dict[str, float]:
+    """One process's figures for ``count`` keys (run in a fresh interpreter)."""
+    import json
+
+    from asyncstore.torch._order import EpochOrder
+
+    before = anon_mib()
+    started = time.perf_counter()
+    if mode == "list":
+        # What earlier versions did: the listing as a JSON list, shuffled with random, and
+        # each worker building its share from the whole plan.
+        keys = json.loads((Path(cache) / "listing.json").read_text())
+        opened = time.perf_counter() - started
+        held = anon_mib() - before
+        started = time.perf_counter()
+        order = list(range(len(keys)))
+        random.Random(0).shuffle(order)
+        planned = time.perf_counter() - started
+        plan = [keys[i] for i in order]
+        with_keys = time.perf_counter() - started
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # a DataLoader worker, as a fork of the main process
+            share = [
+                k for start in range(0, len(plan), 2 * BATCH) for k in plan[start : start + BATCH]
+            ]
+            os.write(writer, f"{private_mib():.1f} {len(share)}".encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        worker = float(os.read(reader, 100).split()[0])
+        return {
+            "open": opened,
+            "memory": held,
+            "plan": planned,
+            "keys": with_keys,
+            "first": float("nan"),
+            "worker_memory": worker,
+        }
+    ds: StreamingDataset[bytes] = StreamingDataset(
+        source, cache_dir=cache, shuffle=True, batch_size=BATCH, decode=record_worker_memory
+    )
+    opened = time.perf_counter() - started
+    held = anon_mib() - before
+    started = time.perf_counter()
+    epoch_order = EpochOrder(count, seed=0, epoch=0, shuffle=True, rank=0, world=1)
+    indices = sum(len(part) for part in epoch_order.slices())
+    planned = time.perf_counter() - started
+    started = time.perf_counter()
+    with_keys = sum(1 for _ in ds._worker_keys())
+    looked_up = time.perf_counter() - started
+    assert indices == with_keys == count
+    loader = DataLoader(ds, batch_size=BATCH, num_workers=2, multiprocessing_context="fork")
+    started = time.perf_counter()
+    first = next(iter(loader))
+    first_batch = time.perf_counter() - started
+    assert len(first) == BATCH
+    notes = Path(os.environ["BENCH_NOTES"])
+    deadline = time.monotonic() + 60
+    while not all((notes / f"worker-{i}").exists() for i in range(2)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    workers = [float((notes / f"worker-{i}").read_text()) for i in range(2)]
+    return {
+        "open": opened,
+        "memory": held,
+        "plan": planned,
+        "keys": looked_up,
+        "first": first_batch,
+        "worker_memory": max(workers),
+    }
+
+
+def run_many_keys(tmp: Path, count: int, say: Say) -> None:
+    """Ten million keys: the index built from a listing, then a dataset over it."""
+    import json
+    import subprocess
+
+    from asyncstore._keyindex import build_index
+
+    source, cache, notes = tmp / "store", tmp / "cache", tmp / "notes"
+    for path in (source, cache, notes):
+        path.mkdir()
+    say(f"### {count:,} keys: the listing's index, the epoch plan and the first batch")
+    say()
+
+    async def listing(start_after: str) -> AsyncIterator[str]:
+        for i in range(count):  # a listing in S3's order, as pages arrive
+            key = synthetic_key(i)
+            if key > start_after:
+                yield key
+
+    import xxhash
+
+    digest = xxhash.xxh3_64_hexdigest(f"{source}\0".encode())
+    started = time.perf_counter()
+    index = asyncio.run(build_index(cache / f"keys-{digest}.idx", listing))
+    built = time.perf_counter() - started
+    size = (cache / f"keys-{digest}.idx").stat().st_size
+    # Only the objects the first batches read exist: the index and plan are what is measured.
+    ds: StreamingDataset[bytes] = StreamingDataset(source, cache_dir=cache, shuffle=True)
+    for key in ds.plan()[:8192]:
+        (source / key).parent.mkdir(parents=True, exist_ok=True)
+        (source / key).write_bytes(b"x" * 1000)
+    (cache / "listing.json").write_text(json.dumps(list(index)))
+    del ds, index
+    results = {}
+    for mode in ("list", "index"):
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--many-keys-child",
+                mode,
+                str(source),
+                str(cache),
+                str(count),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "BENCH_NOTES": str(notes)},
+        )
+        results[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    old, new = results["list"], results["index"]
+    say(
+        f"Index built from the listing in {built:.1f} s ({size / 2**20:.0f} MiB file in "
+        "`cache_dir`, mapped by every process). Baseline, in the same run: the listing as a "
+        "JSON list of keys, loaded and shuffled as versions before the index did."
+    )
+    say()
+    say(
+        "| | open the key list | main process memory | shuffle and shard the epoch's plan "
+        "| plan as keys | first batch (2 workers) | private memory per worker |"
+    )
+    say("|---|---:|---:|---:|---:|---:|---:|")
+    say(
+        f"| JSON list + `random.shuffle` (baseline) | {old['open']:.2f} s | "
+        f"{old['memory']:,.0f} MiB | {old['plan']:.2f} s | {old['keys']:.2f} s | | "
+        f"{old['worker_memory']:,.0f} MiB |"
+    )
+    say(
+        f"| compact index + keyed permutation | {new['open']:.2f} s | {new['memory']:,.0f} MiB "
+        f"| {new['plan']:.2f} s | {new['keys']:.2f} s | {new['first']:.2f} s | "
+        f"{new['worker_memory']:,.0f} MiB |"
+    )
+    say()
+    say(
+        "*Main process memory* is anonymous memory the dataset added (the index is a mapped "
+        "file, shared). *Plan as keys* turns the whole plan into key strings: the dataset "
+        "does that a slice at a time while the epoch runs. *Private memory per worker* is "
+        "what a forked worker holds alone when it starts reading (its runtime included)."
+    )
+    say()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, default=4000)
@@ -211,13 +397,34 @@ def main() -> int:
         help="only the warm epochs over a local directory larger than the memory tier",
     )
     parser.add_argument("--memory-mb", type=int, default=64, help="memory tier for that part")
+    parser.add_argument(
+        "--many-keys",
+        type=int,
+        metavar="N",
+        help="only the index, plan and first batch over N synthetic keys (e.g. 10000000)",
+    )
+    parser.add_argument("--many-keys-child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.many_keys_child:
+        import json
+
+        mode, source, cache, count = args.many_keys_child
+        print(json.dumps(many_keys_child(mode, source, cache, int(count))))
+        return 0
     lines: list[str] = []
 
     def say(line: str = "") -> None:
         print(line, flush=True)
         lines.append(line)
 
+    if args.many_keys:
+        say(f"Machine: {machine()}")
+        say()
+        with tempfile.TemporaryDirectory(prefix="bench-dataset-") as tmp:
+            run_many_keys(Path(tmp), args.many_keys, say)
+        if args.write:
+            record("bench_dataset_keys", "Ten million samples", lines, script="bench_dataset")
+        return 0
     n = args.objects
     keys = [f"{i:05d}.bin" for i in range(n)]
     if args.larger_than_memory:
@@ -229,7 +436,9 @@ def main() -> int:
             }
             run_larger_than_memory(Path(tmp), contents, args.workers, args.memory_mb * 10**6, say)
         if args.write:
-            record("bench_dataset_warm", "Datasets larger than memory", lines)
+            record(
+                "bench_dataset_warm", "Datasets larger than memory", lines, script="bench_dataset"
+            )
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-dataset-") as tmp:
         server = SeaweedFS(data_dir=Path(tmp) / "seaweedfs")

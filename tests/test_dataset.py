@@ -85,7 +85,7 @@ def test_listing_is_kept_in_the_cache_dir(dataset_dir: Path, tmp_path: Path) -> 
     (dataset_dir / "train" / "late.bin").write_bytes(b"x")
     second: StreamingDataset[bytes] = StreamingDataset(dataset_dir, cache_dir=tmp_path / "cache")
     assert second.plan() == first.plan()  # not listed again
-    assert len(list((tmp_path / "cache").glob("listing-*.json"))) == 1
+    assert len(list((tmp_path / "cache").glob("keys-*.idx"))) == 1
 
 
 def test_spawn_workers(dataset_dir: Path, tmp_path: Path) -> None:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import xxhash
 
+from .._flock import try_lock
 from ..errors import IntegrityError
 
 _MAGIC = b"ASCE"
@@ -365,7 +366,7 @@ class DiskTier:
         fd = self._lock_fd
         deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
         pause = 0.0001
-        while not _try_lock(fd):
+        while not try_lock(fd):
             if time.monotonic() > deadline:
                 raise sqlite3.OperationalError(
                     f"the cache index in {self._root} stayed locked by another process "
@@ -606,14 +607,6 @@ def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[
     at += key_len
     etag = bytes(view[at:start]).decode() or None
     return bytes(view[start:]), etag
-
-
-def _try_lock(fd: int) -> bool:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def _alive(pid: int) -> bool:

@@ -22,6 +22,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from .._flock import try_lock
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._direct import DirectAppender
@@ -219,9 +220,7 @@ class LocalStore(BaseStore):
                 fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not try_lock(fd):
                 os.close(fd)
                 continue  # its writer is alive
             try:

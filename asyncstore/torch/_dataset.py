@@ -6,8 +6,7 @@ import json
 import math
 import multiprocessing
 import os
-import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
@@ -16,12 +15,14 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._keyindex import KeyIndex, build_index, write_index
 from .._loop import run_sync
 from .._prefetch import Prefetcher, PrefetchStats, check_window
 from ..cache import CacheStats, TieredCache
 from ..errors import InvalidArgument, InvalidKey
 from ..stores import LocalStore, S3Store, Store, open_store
 from ..stores._keys import check_key
+from ._order import EpochOrder
 
 T = TypeVar("T")
 
@@ -223,32 +224,38 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._yielded = 0
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
-        self._keys = self._listing() if keys is None else _check_keys(keys, self._url)
+        # Compact, and mapped from cache_dir when listed: one copy per node, not per process.
+        self._keys = (
+            self._listing() if keys is None else KeyIndex.from_keys(_check_keys(keys, self._url))
+        )
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
 
     # -- the plan ----------------------------------------------------------------------------
 
-    def _listing(self) -> list[str]:
-        path = None
-        if self._cache_dir is not None:
-            digest = xxhash.xxh3_64_hexdigest(self._url.encode())
-            path = Path(self._cache_dir) / f"listing-{digest}.json"
-            if path.exists():
-                listed: list[str] = json.loads(path.read_text())
-                return listed
-
-        async def list_all() -> list[str]:
+    def _listing(self) -> KeyIndex:
+        async def listed(start_after: str) -> AsyncIterator[str]:
             async with open_store(self._url, **self._options) as store:
-                return sorted([info.key async for info in store.list()])
+                async for info in store.list(start_after=start_after):
+                    yield info.key
 
-        keys = run_sync(list_all())
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(keys))
-            os.replace(tmp, path)
-        return keys
+        if self._cache_dir is None:
+
+            async def list_all() -> KeyIndex:
+                return KeyIndex.from_keys(sorted([key async for key in listed("")]))
+
+            return run_sync(list_all())
+        # Named by what is listed: the URL, and the endpoint when one is set (the same
+        # bucket name on two servers is two datasets).
+        source = f"{self._url}\0{self._options.get('endpoint_url') or ''}"
+        digest = xxhash.xxh3_64_hexdigest(source.encode())
+        path = Path(self._cache_dir) / f"keys-{digest}.idx"
+        old = Path(self._cache_dir) / f"listing-{xxhash.xxh3_64_hexdigest(self._url.encode())}.json"
+        if old.exists() and not path.exists():
+            # Earlier versions kept it as JSON: converted once rather than listed again.
+            write_index(path, json.loads(old.read_text()))
+            old.unlink()
+        return run_sync(build_index(path, listed))
 
     def __len__(self) -> int:
         """Samples per epoch for this rank (padded: equal across ranks)."""
@@ -278,16 +285,27 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
-    def plan(self, epoch: int | None = None) -> list[str]:
-        """This rank's keys for ``epoch`` (default: the current one), in stream order."""
-        epoch = self._epoch if epoch is None else epoch
-        order = list(range(len(self._keys)))
-        if self._shuffle:
-            random.Random(self._seed * 1_000_003 + epoch).shuffle(order)
+    def _order(self, epoch: int) -> EpochOrder:
         rank, world = self._shard()
-        per_rank = math.ceil(len(order) / world)
-        padded = order + order[: per_rank * world - len(order)]
-        return [self._keys[i] for i in padded[rank::world]]
+        return EpochOrder(
+            len(self._keys),
+            seed=self._seed,
+            epoch=epoch,
+            shuffle=self._shuffle,
+            rank=rank,
+            world=world,
+        )
+
+    def plan(self, epoch: int | None = None) -> list[str]:
+        """This rank's keys for ``epoch`` (default: the current one), in stream order.
+
+        The whole list, for inspection and tests: iterating the dataset computes the plan a
+        slice at a time instead (see ``docs/datasets.md``, "Ten million samples").
+        """
+        epoch = self._epoch if epoch is None else epoch
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
+        return [key for part in self._order(epoch).slices() for key in self._keys.take(part)]
 
     # -- resume ------------------------------------------------------------------------------
 
@@ -320,19 +338,16 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def _worker_keys(self) -> list[str]:
-        remaining = self.plan()[self._skip :]
+    def _worker_keys(self) -> Iterator[str]:
+        # Lazily, a slice at a time: the first batch does not wait for the epoch's plan, and
+        # no process holds all of it.
         info = get_worker_info()
-        if info is None:
-            return remaining
         # Workers take whole batches in turn, as the DataLoader asks them for batches in turn:
         # with batch_size matching the DataLoader's, the stream keeps the plan's order.
-        size, workers = self._batch, info.num_workers
-        return [
-            key
-            for start in range(info.id * size, len(remaining), size * workers)
-            for key in remaining[start : start + size]
-        ]
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        slices = self._order(self._epoch).slices(self._skip, self._batch, worker, workers)
+        for part in slices:
+            yield from self._keys.take(part)
 
     def __iter__(self) -> Iterator[T]:
         keys = self._worker_keys()
@@ -413,7 +428,7 @@ class _Connection:
         self.pid = os.getpid()
 
     async def start(
-        self, keys: list[str], lookahead: int | Literal["auto"], inflight: int
+        self, keys: Iterable[str], lookahead: int | Literal["auto"], inflight: int
     ) -> _Session:
         prefetcher = Prefetcher(self.cache, keys, lookahead=lookahead, max_inflight=inflight)
         await prefetcher.__aenter__()

@@ -1,0 +1,317 @@
+"""A dataset's keys in one compact file, memory-mapped and shared by every process of a node.
+
+Ten million keys as a Python list cost about a gigabyte per process (an object per key), and
+every DataLoader worker holds its own copy: forked workers copy the pages back as reference
+counts change. Here the keys are two arrays in one file: the keys' UTF-8 bytes end to end,
+and where each one starts. Mapped read-only, the pages live once in the page cache whatever
+the number of processes, and a key costs nothing until it is read.
+
+Layout (little-endian)::
+
+    header   magic "ASKI", u16 version, u16 flags (0), 2 x u32 reserved (0),
+             u64 count, u64 blob bytes, u64 xxh3-64 of the offsets, u64 xxh3-64 of the blob
+    offsets  (count + 1) x u64: key i is blob[offsets[i]:offsets[i + 1]]
+    blob     the keys' bytes, end to end (sorted, for an index built from a listing)
+
+Both checksums are verified when the file is opened: a damaged index is rebuilt, never read.
+
+Building it from a listing writes the keys as they arrive to ``<name>.partial``, each
+followed by a NUL byte (no key holds one). An interrupted build resumes from its last
+complete key with ``Store.list(start_after=...)``; a lock file makes the node's processes
+build it once, the others waiting and then mapping the result.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import itertools
+import mmap
+import os
+import secrets
+import struct
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from typing import Any, overload
+
+import xxhash
+
+from ._flock import try_lock
+from .errors import IntegrityError, InvalidArgument
+from .stores._keys import MAX_KEY_BYTES
+
+__all__ = ["KeyIndex", "build_index", "write_index"]
+
+_MAGIC = b"ASKI"
+_VERSION = 1
+_HEADER = struct.Struct("<4sHHIIQQQQ")  # 48 bytes: the offsets that follow are aligned
+_OFFSET = 8
+# Keys handed to the writer per write, and between two flushes of a partial listing.
+_CHUNK = 65_536
+
+
+class KeyIndex(Sequence[str]):
+    """Keys in compact form: ``index[i]`` is the i-th key, ``len(index)`` the count.
+
+    Made by :meth:`from_keys` (in memory) or :meth:`open` (a file written by
+    :func:`write_index` or :func:`build_index`, memory-mapped). Pickles small when mapped:
+    a worker reopens the same file and checks it is the same index.
+    """
+
+    def __init__(self, buffer: bytes | mmap.mmap, path: str | None = None) -> None:
+        where = path or "(memory)"
+        # Checked through the header and checksums before any view is kept: a mapping
+        # cannot close while views of it are alive, so none outlives a refusal.
+        with memoryview(buffer) as view:
+            if len(view) < _HEADER.size:
+                raise IntegrityError(f"key index {where} is truncated")
+            magic, version, flags, _, _, count, blob_bytes, offsets_sum, blob_sum = (
+                _HEADER.unpack_from(view)
+            )
+            if magic != _MAGIC or version != _VERSION or flags:
+                raise IntegrityError(f"{where} is not a key index of this version")
+            offsets_end = _HEADER.size + (count + 1) * _OFFSET
+            if offsets_end + blob_bytes != len(view):
+                raise IntegrityError(
+                    f"key index {where} holds {len(view)} bytes, its header says "
+                    f"{offsets_end + blob_bytes}: it is truncated or damaged"
+                )
+            with view[_HEADER.size : offsets_end] as offsets, view[offsets_end:] as blob:
+                if xxhash.xxh3_64_intdigest(offsets) != offsets_sum or (
+                    xxhash.xxh3_64_intdigest(blob) != blob_sum
+                ):
+                    raise IntegrityError(f"key index {where} is damaged (checksum mismatch)")
+                with offsets.cast("Q") as items:
+                    if items[0] != 0 or items[count] != blob_bytes:
+                        raise IntegrityError(f"key index {where} is damaged (offsets out of range)")
+        whole = memoryview(buffer)
+        self._buffer = buffer
+        self._offsets = whole[_HEADER.size : offsets_end].cast("Q")
+        self._blob = whole[offsets_end:]
+        self._count: int = count
+        self._path = path
+        self._digest = (offsets_sum, blob_sum)
+
+    # -- making one --------------------------------------------------------------------------
+
+    @classmethod
+    def from_keys(cls, keys: Iterable[str]) -> KeyIndex:
+        """An in-memory index of ``keys``, in their order."""
+        return cls(b"".join(_encode([key.encode() for key in keys])))
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> KeyIndex:
+        """Map the index file at ``path`` (raises :class:`IntegrityError` if it is damaged,
+        :class:`FileNotFoundError` if it is missing)."""
+        name = os.fspath(path)
+        with open(name, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise IntegrityError(f"key index {name} is empty")
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        try:
+            return cls(mapped, name)
+        except BaseException:
+            mapped.close()
+            raise
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._count
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return self.take(range(*index.indices(self._count)))
+        position = index + self._count if index < 0 else index
+        if not 0 <= position < self._count:
+            raise IndexError(f"key index {index} out of range({self._count})")
+        return self.take((position,))[0]
+
+    def take(self, indices: Iterable[int]) -> list[str]:
+        """The keys at ``indices`` (each in ``range(len(self))``), in that order."""
+        offsets: Sequence[int] = self._offsets  # unsigned 64-bit items: cast("Q")
+        blob = self._blob
+        return [str(blob[offsets[i] : offsets[i + 1]], "utf-8") for i in indices]
+
+    def __iter__(self) -> Iterator[str]:
+        for start in range(0, self._count, _CHUNK):
+            yield from self.take(range(start, min(start + _CHUNK, self._count)))
+
+    @property
+    def path(self) -> str | None:
+        """The file it is mapped from, or None in memory."""
+        return self._path
+
+    def __reduce__(self) -> tuple[Callable[..., KeyIndex], tuple[Any, ...]]:
+        if self._path is None:
+            return (KeyIndex, (bytes(self._buffer),))
+        return (_reopen, (self._path, self._digest))
+
+    def __repr__(self) -> str:
+        return f"KeyIndex({self._count} keys, {self._path or 'in memory'})"
+
+
+def _reopen(path: str, digest: tuple[int, int]) -> KeyIndex:
+    index = KeyIndex.open(path)
+    if index._digest != digest:
+        raise IntegrityError(
+            f"key index {path} changed since this dataset was made (the listing was "
+            "rebuilt): make the dataset again"
+        )
+    return index
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+
+def _encode(keys: list[bytes]) -> Iterator[bytes | memoryview]:
+    """Header, offsets and blob of an index over ``keys`` (UTF-8), in their order."""
+    # C-level passes over the list: ten million keys take about a second, not a minute.
+    offsets = array.array("Q", itertools.accumulate(map(len, keys), initial=0))
+    if sys.byteorder != "little":
+        offsets.byteswap()
+    blob = b"".join(keys)
+    yield _HEADER.pack(
+        _MAGIC,
+        _VERSION,
+        0,
+        0,
+        0,
+        len(keys),
+        len(blob),
+        xxhash.xxh3_64_intdigest(offsets),
+        xxhash.xxh3_64_intdigest(blob),
+    )
+    yield memoryview(offsets).cast("B")
+    yield blob
+
+
+def _canonical(keys: list[bytes]) -> list[bytes]:
+    # Sorted (listings of some servers are not in byte order; sorting an ordered list is one
+    # pass), duplicates dropped (a resumed listing may repeat a key): every node that lists
+    # the same objects builds the same file, whatever order the pages came in.
+    keys.sort()
+    return [key for key, _ in itertools.groupby(keys)]
+
+
+def write_index(path: str | os.PathLike[str], keys: Iterable[str]) -> None:
+    """Write an index of ``keys``, in their order, to ``path``, atomically: a reader sees
+    the old file or the new one, never part of one."""
+    _write(os.fspath(path), [key.encode() for key in keys])
+
+
+def _write(name: str, keys: list[bytes]) -> None:
+    tmp = f"{name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            for part in _encode(keys):
+                f.write(part)
+        os.replace(tmp, name)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+# -- building from a listing -----------------------------------------------------------------
+
+
+async def build_index(
+    path: str | os.PathLike[str],
+    listing: Callable[[str], AsyncIterator[str]],
+    *,
+    lock_timeout: float = 3600.0,
+) -> KeyIndex:
+    """The index at ``path``, built from ``listing(start_after)`` unless a valid one is there.
+
+    The keys are sorted and duplicates dropped, so every node listing the same objects
+    builds the same index.
+
+    ``listing(start_after)`` yields keys after ``start_after`` ("" for all), as
+    ``Store.list`` does. Keys are appended to ``<path>.partial`` as they arrive, so a build
+    killed halfway resumes after its last complete key. The node's processes build it once:
+    the first takes ``<path>.lock``; the others wait (up to ``lock_timeout`` seconds, with
+    the event loop free) and map the finished file.
+    """
+    import anyio
+
+    name = os.fspath(path)
+    with contextlib.suppress(FileNotFoundError, IntegrityError):
+        return KeyIndex.open(name)
+    os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
+    lock = os.open(f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + lock_timeout
+        pause = 0.001
+        while not try_lock(lock):
+            if time.monotonic() > deadline:
+                raise InvalidArgument(
+                    f"another process has been building the key index {name} for "
+                    f"{lock_timeout:.0f} s; if none is, remove {name}.lock"
+                )
+            await anyio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        with contextlib.suppress(FileNotFoundError, IntegrityError):
+            return KeyIndex.open(name)  # built by the process that held the lock
+        await _list_into(f"{name}.partial", listing)
+        await anyio.to_thread.run_sync(_finish, name)
+        return KeyIndex.open(name)
+    finally:
+        os.close(lock)  # releases the lock
+
+
+async def _list_into(partial: str, listing: Callable[[str], AsyncIterator[str]]) -> None:
+    # Append the listing to the partial file, resuming after its last complete key.
+    import anyio
+
+    last = await anyio.to_thread.run_sync(_resume_point, partial)
+    async with await anyio.open_file(partial, "ab", buffering=0) as f:
+        pending: list[bytes] = []
+        async for key in listing(last):
+            pending.append(key.encode() + b"\0")
+            if len(pending) >= _CHUNK:
+                # Whole keys only, unbuffered: a kill leaves complete keys and at most a
+                # torn last one, which the next build cuts off.
+                await f.write(b"".join(pending))
+                pending.clear()
+        await f.write(b"".join(pending))
+
+
+def _resume_point(partial: str) -> str:
+    """The last complete key of a partial listing, or ""; a torn last key is cut off."""
+    try:
+        f = open(partial, "r+b")  # noqa: SIM115 -- closed by the with below
+    except FileNotFoundError:
+        return ""
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        # Keys are at most MAX_KEY_BYTES: this window holds the last complete one whole,
+        # and the separator before it or the start of the file.
+        window = min(size, 2 * (MAX_KEY_BYTES + 1))
+        f.seek(size - window)
+        tail = f.read(window)
+        end = tail.rfind(b"\0")
+        if end < 0:
+            f.truncate(0)
+            return ""
+        f.truncate(size - window + end + 1)
+        start = tail.rfind(b"\0", 0, end) + 1
+        return tail[start:end].decode()
+
+
+def _finish(name: str) -> None:
+    # The partial listing becomes the index: sorted (some servers list out of byte order),
+    # without duplicates (a resumed listing may repeat its last page).
+    partial = f"{name}.partial"
+    with open(partial, "rb") as f:
+        keys = f.read().split(b"\0")
+    _write(name, _canonical([key for key in keys if key]))
+    os.unlink(partial)
