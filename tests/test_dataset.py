@@ -88,6 +88,28 @@ def test_listing_is_kept_in_the_cache_dir(dataset_dir: Path, tmp_path: Path) -> 
     assert len(list((tmp_path / "cache").glob("keys-*.idx"))) == 1
 
 
+@pytest.mark.parametrize("readable", [True, False])
+def test_a_listing_kept_by_an_earlier_version_is_converted_not_listed_again(
+    dataset_dir: Path, tmp_path: Path, readable: bool
+) -> None:
+    import json
+
+    import xxhash
+
+    url = str(dataset_dir)
+    old = tmp_path / "cache" / f"listing-{xxhash.xxh3_64_hexdigest(url.encode())}.json"
+    old.parent.mkdir()
+    kept = ["train/0000.bin", "train/gone.bin"]  # as listed then: one since deleted
+    old.write_text(json.dumps(kept) if readable else "{not json")
+    ds: StreamingDataset[bytes] = StreamingDataset(url, cache_dir=tmp_path / "cache")
+    assert not old.exists()
+    assert len(list((tmp_path / "cache").glob("keys-*.idx"))) == 1
+    if readable:
+        assert sorted(ds.plan()) == kept  # converted: the directory was not listed
+    else:
+        assert len(ds) == COUNT  # unreadable: listed again
+
+
 def test_spawn_workers(dataset_dir: Path, tmp_path: Path) -> None:
     ds = StreamingDataset(dataset_dir, cache_dir=tmp_path / "cache", decode=key_of, batch_size=4)
     keys = epoch_keys(ds, workers=2, context="spawn")

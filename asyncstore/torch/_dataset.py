@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing
@@ -252,9 +253,11 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         path = Path(self._cache_dir) / f"keys-{digest}.idx"
         old = Path(self._cache_dir) / f"listing-{xxhash.xxh3_64_hexdigest(self._url.encode())}.json"
         if old.exists() and not path.exists():
-            # Earlier versions kept it as JSON: converted once rather than listed again.
-            write_index(path, json.loads(old.read_text()))
-            old.unlink()
+            # Earlier versions kept it as JSON: converted once rather than listed again (a
+            # file that does not read as a list of keys is dropped, and the source listed).
+            with contextlib.suppress(OSError, ValueError, AttributeError):
+                write_index(path, json.loads(old.read_text()))
+            old.unlink(missing_ok=True)
         return run_sync(build_index(path, listed))
 
     def __len__(self) -> int:
