@@ -137,7 +137,9 @@ class Prefetcher:
         if isinstance(source, TieredCache) and isinstance(source._memory, PlanTier):
             self._plan_cache = source
         self._ahead: deque[str] = deque()  # keys read from the plan, not yet fetched
-        self._window: deque[tuple[str, asyncio.Future[bytes]]] = deque()
+        # Plan order: each key with its fetch, or with its bytes when they were local already
+        # (no future to make and resolve for the common warm-epoch case).
+        self._window: deque[tuple[str, asyncio.Future[bytes] | bytes]] = deque()
         self._want = 0  # items a take() call wants ready at once
         self._inflight = 0  # fetch tasks not finished
         self._refill: asyncio.Future[None] | None = None
@@ -175,10 +177,11 @@ class Prefetcher:
             refill.cancel()
             await asyncio.gather(refill, return_exceptions=True)
         window, self._window = self._window, deque()
-        for _, task in window:
+        tasks = [task for _, task in window if not isinstance(task, bytes)]
+        for task in tasks:
             task.cancel()
-        if window:
-            await asyncio.gather(*(task for _, task in window), return_exceptions=True)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
         self._inflight = 0
         self._ahead.clear()
         self._ready_bytes = 0
@@ -209,6 +212,14 @@ class Prefetcher:
     async def _pop(self) -> tuple[str, bytes] | None:
         # Wait for the head of the window and take it; None for a key skipped after an error.
         key, task = self._window[0]
+        if isinstance(task, bytes):  # it was local: ready, nothing to wait for
+            self._over += 1
+            self._waits.add(0.0)
+            self._window.popleft()
+            self._adapt()
+            self._ready_bytes -= len(task)
+            self._items += 1
+            return key, task
         waited = 0.0
         if task.done():
             self._over += 1
@@ -287,11 +298,9 @@ class Prefetcher:
             self._fetched += 1
             data = self._warm(key)
             if data is not None:
-                # Already local: a finished future, no task and no wait.
-                done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-                done.set_result(data)
+                # Already local: its bytes go in the window as they are, no task, no wait.
                 self._ready_bytes += len(data)
-                self._window.append((key, done))
+                self._window.append((key, data))
                 continue
             self._inflight += 1
             self._window.append((key, asyncio.ensure_future(self._fetch(key))))
@@ -354,7 +363,11 @@ class Prefetcher:
                     await self.aclose()  # the end of the plan
                     break
             head = self._window[0][1]
-            if items and (not head.done() or (not self._skip and head.exception())):
+            if (
+                items
+                and not isinstance(head, bytes)
+                and (not head.done() or (not self._skip and head.exception()))
+            ):
                 # Give what is ready now rather than wait, and what came before a failed
                 # key before its error (the next call raises it).
                 break
@@ -369,7 +382,10 @@ class Prefetcher:
 
     def head_ready(self) -> bool:
         """Whether the next item can be yielded without waiting."""
-        return bool(self._window) and self._window[0][1].done()
+        if not self._window:
+            return False
+        head = self._window[0][1]
+        return isinstance(head, bytes) or head.done()
 
     # -- stats -------------------------------------------------------------------------------
 
