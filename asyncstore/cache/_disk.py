@@ -118,17 +118,31 @@ class DiskTier:
             isolation_level=None,
             check_same_thread=False,
         )
+        # Keep the write-ahead log small and bounded: it counts against the budget.
+        self._wal_reserve = min(4 << 20, budget // 8)
+        try:
+            # Under the writers' lock: switching a new index to WAL fails at once ("database
+            # is locked", no busy wait) while another process is opening it too, which
+            # switched the tier off in one of two DataLoader workers started together.
+            with self._writers_locked():
+                self._set_up()
+        except BaseException:
+            self._db.close()
+            os.close(self._lock_fd)
+            raise
+        self.clean_leftovers()
+
+    def _set_up(self) -> None:
+        db = self._db
         # WAL lets readers and one writer proceed together; NORMAL sync is enough for a cache
         # (a lost index update after power loss only forgets or over-counts an entry, and the
         # checksum protects every read).
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        # Keep the write-ahead log small and bounded: it counts against the budget.
-        self._wal_reserve = min(4 << 20, budget // 8)
-        self._db.execute(f"PRAGMA journal_size_limit={self._wal_reserve}")
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.execute(f"PRAGMA journal_size_limit={self._wal_reserve}")
         # Checkpoint before the log outgrows that reserve (SQLite's default waits for 4 MB).
-        self._db.execute(f"PRAGMA wal_autocheckpoint={max(16, self._wal_reserve // 4096)}")
-        self._db.executescript(
+        db.execute(f"PRAGMA wal_autocheckpoint={max(16, self._wal_reserve // 4096)}")
+        db.executescript(
             """
             CREATE TABLE IF NOT EXISTS entries (
                 name TEXT PRIMARY KEY, size INTEGER NOT NULL, atime REAL NOT NULL);
@@ -138,7 +152,6 @@ class DiskTier:
             INSERT OR IGNORE INTO total VALUES (0, 0);
             """
         )
-        self.clean_leftovers()
 
     # -- names and files ---------------------------------------------------------------------
 
@@ -337,21 +350,25 @@ class DiskTier:
     def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
         """Hold this process's index lock and one SQLite transaction: commit on success,
         roll back on any error."""
-        with self._db_lock:
-            self._lock_writers()
+        with self._db_lock, self._writers_locked():
+            db = self._db
+            db.execute(begin)
             try:
-                db = self._db
-                db.execute(begin)
-                try:
-                    yield db
-                    db.execute("COMMIT")
-                except BaseException:
-                    with contextlib.suppress(sqlite3.Error):
-                        db.execute("ROLLBACK")
-                    raise
-                self._bound_log()
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
+                with contextlib.suppress(sqlite3.Error):
+                    db.execute("ROLLBACK")
+                raise
+            self._bound_log()
+
+    @contextlib.contextmanager
+    def _writers_locked(self) -> Iterator[None]:
+        self._lock_writers()
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _lock_writers(self) -> None:
         """Take the lock that every process's writers share, or raise after
