@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import itertools
 import os
 import secrets
 import sqlite3
@@ -107,6 +108,10 @@ class DiskTier:
         self._tmp_dir = f"{self._root}/{_TMP}"
         os.makedirs(self._tmp_dir, exist_ok=True)
         self._next_reclaim = 0.0
+        # Temp file names: "<pid>-<tag><serial>", the tag told apart from an earlier process
+        # of the same pid.
+        self._tmp_tag = secrets.token_hex(4)
+        self._tmp_serial = itertools.count()
         self._db_path = self.directory / "index.sqlite"
         # Empty: only its lock matters (see _transaction).
         self._lock_fd = os.open(
@@ -286,14 +291,23 @@ class DiskTier:
             with self._transaction() as db:
                 limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
-                for position, (key, payload, etag) in enumerate(items):
-                    name = self.name_for(key)
+                names = [self.name_for(key) for key, _, _ in items]
+                # One query for the batch, not one per entry: rows are inserted at the end,
+                # so SQLite runs a handful of statements per batch (each also hands the GIL
+                # over twice, which costs most when the process's other threads are busy).
+                indexed = self._sizes(db, names)  # entries of these names already there
+                sizes: dict[str, int] = {}
+                for position, ((key, payload, etag), name) in enumerate(
+                    zip(items, names, strict=True)
+                ):
                     head = _encode_head(self._identity_bytes, key, payload, etag)
                     size = len(head) + len(payload)
-                    old = db.execute("SELECT size FROM entries WHERE name = ?", (name,)).fetchone()
-                    if old:
+                    if name in kept:  # the same key twice in one batch: the later one wins
+                        total -= sizes.pop(name)
+                        drop(name)
+                    elif name in indexed:
                         # Replaced, or stale if the new bytes cannot be kept: goes either way.
-                        total -= old[0]
+                        total -= indexed.pop(name)
                         db.execute("DELETE FROM entries WHERE name = ?", (name,))
                         drop(name)
                     if size > limit:
@@ -301,14 +315,22 @@ class DiskTier:
                     if total + size > limit:
                         victims, total = self._evict(db, total, size, limit)
                         for victim in victims:
+                            indexed.pop(victim, None)
                             drop(victim)
-                    tmp = f"{self._tmp_dir}/{pid}-{secrets.token_hex(6)}"
+                        if total + size > limit:
+                            continue  # only this batch's own entries are left: not kept
+                    tmp = f"{self._tmp_dir}/{pid}-{self._tmp_tag}{next(self._tmp_serial)}"
                     _write_new(tmp, head, payload)
                     staged[name], tmp = tmp, ""
-                    db.execute("INSERT INTO entries VALUES (?, ?, ?)", (name, size, time.time()))
                     total += size
+                    sizes[name] = size
                     kept[name] = position
                     results[position] = True
+                now = time.time()
+                db.executemany(
+                    "INSERT INTO entries VALUES (?, ?, ?)",
+                    [(name, size, now) for name, size in sizes.items()],
+                )
                 db.execute("UPDATE total SET bytes = ?", (total,))
                 for name, staged_tmp in staged.items():
                     shard = name[:2]
@@ -325,6 +347,17 @@ class DiskTier:
                     os.unlink(path)
             raise
         return results
+
+    @staticmethod
+    def _sizes(db: sqlite3.Connection, names: list[str]) -> dict[str, int]:
+        """The sizes the index holds for those of ``names`` it has."""
+        found: dict[str, int] = {}
+        for start in range(0, len(names), 500):  # under SQLite's limit on parameters
+            part = names[start : start + 500]
+            marks = ",".join("?" * len(part))
+            query = f"SELECT name, size FROM entries WHERE name IN ({marks})"  # only "?"s
+            found.update(db.execute(query, part).fetchall())
+        return found
 
     def _evict(
         self, db: sqlite3.Connection, total: int, size: int, limit: int
