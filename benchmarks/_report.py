@@ -47,7 +47,7 @@ def record(name: str, title: str, lines: list[str], script: str | None = None) -
     if marker in text:
         head, _, rest = text.partition(marker)
         _, _, tail = rest.partition(marker)
-        text = head + section + tail.lstrip("\n")
+        text = head + section + ("\n" if tail.strip() else "") + tail.lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     DOCS.write_text(text)
