@@ -38,6 +38,7 @@ from typing import Any, overload
 import xxhash
 
 from ._flock import try_lock
+from .checkpoint._threads import shielded
 from .errors import IntegrityError, InvalidArgument
 from .stores._keys import MAX_KEY_BYTES
 
@@ -139,7 +140,13 @@ class KeyIndex(Sequence[str]):
         """The keys at ``indices`` (each in ``range(len(self))``), in that order."""
         offsets: Sequence[int] = self._offsets  # unsigned 64-bit items: cast("Q")
         blob = self._blob
-        return [str(blob[offsets[i] : offsets[i + 1]], "utf-8") for i in indices]
+        try:
+            return [str(blob[offsets[i] : offsets[i + 1]], "utf-8") for i in indices]
+        except UnicodeDecodeError:
+            # Only a file made to pass its checksums gets here.
+            raise IntegrityError(
+                f"key index {self._path or '(memory)'} holds a key that is not UTF-8"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         for start in range(0, self._count, _CHUNK):
@@ -209,16 +216,21 @@ def write_index(path: str | os.PathLike[str], keys: Iterable[str]) -> None:
 
 
 def _write(name: str, keys: list[bytes]) -> None:
+    os.replace(_write_temp(name, keys), name)
+
+
+def _write_temp(name: str, keys: list[bytes]) -> str:
+    """An index of ``keys`` in a temp file beside ``name``; returns its path."""
     tmp = f"{name}.tmp{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as f:
             for part in _encode(keys):
                 f.write(part)
-        os.replace(tmp, name)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    return tmp
 
 
 # -- building from a listing -----------------------------------------------------------------
@@ -233,19 +245,26 @@ async def build_index(
     """The index at ``path``, built from ``listing(start_after)`` unless a valid one is there.
 
     The keys are sorted and duplicates dropped, so every node listing the same objects
-    builds the same index.
+    builds the same index. An empty listing is not kept (the next call lists again).
 
     ``listing(start_after)`` yields keys after ``start_after`` ("" for all), as
     ``Store.list`` does. Keys are appended to ``<path>.partial`` as they arrive, so a build
     killed halfway resumes after its last complete key. The node's processes build it once:
     the first takes ``<path>.lock``; the others wait (up to ``lock_timeout`` seconds, with
-    the event loop free) and map the finished file.
+    the event loop free) and map the finished file. A build cancelled midway finishes the
+    file work it started before it lets the lock go.
     """
     import anyio
 
     name = os.fspath(path)
+    partial = f"{name}.partial"
     with contextlib.suppress(FileNotFoundError, IntegrityError):
-        return KeyIndex.open(name)
+        found = KeyIndex.open(name)
+        # A partial listing beside a valid index was left by a builder killed as it
+        # published (earlier versions); a rebuild must not resume it.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(partial)
+        return found
     os.makedirs(os.path.dirname(name) or ".", exist_ok=True)
     lock = os.open(f"{name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -254,16 +273,29 @@ async def build_index(
         while not try_lock(lock):
             if time.monotonic() > deadline:
                 raise InvalidArgument(
-                    f"another process has been building the key index {name} for "
-                    f"{lock_timeout:.0f} s; if none is, remove {name}.lock"
+                    f"the key index {name} has been built by another process for "
+                    f"{lock_timeout:.0f} s (it holds {name}.lock); wait for it, or stop it"
                 )
             await anyio.sleep(pause)
             pause = min(pause * 2, 0.1)
         with contextlib.suppress(FileNotFoundError, IntegrityError):
-            return KeyIndex.open(name)  # built by the process that held the lock
-        await _list_into(f"{name}.partial", listing)
-        await anyio.to_thread.run_sync(_finish, name)
-        return KeyIndex.open(name)
+            found = KeyIndex.open(name)  # built by the process that held the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(partial)  # left by a builder killed after publishing
+            return found
+        for attempt in range(2):
+            await _list_into(partial, listing)
+            try:
+                index: KeyIndex = await shielded(anyio.to_thread.run_sync(_finish, name))
+            except IntegrityError:
+                if attempt:
+                    raise
+                # The partial listing was damaged (not UTF-8): list again from the start.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(partial)
+            else:
+                return index
+        raise AssertionError("unreachable")  # pragma: no cover
     finally:
         os.close(lock)  # releases the lock
 
@@ -272,21 +304,33 @@ async def _list_into(partial: str, listing: Callable[[str], AsyncIterator[str]])
     # Append the listing to the partial file, resuming after its last complete key.
     import anyio
 
-    last = await anyio.to_thread.run_sync(_resume_point, partial)
-    async with await anyio.open_file(partial, "ab", buffering=0) as f:
+    last = await shielded(anyio.to_thread.run_sync(_resume_point, partial))
+    # Plain writes on this thread, a few MB each: nothing still writes once this returns or
+    # is cancelled, so the lock is never released under a write in flight.
+    fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
         pending: list[bytes] = []
         async for key in listing(last):
             pending.append(key.encode() + b"\0")
             if len(pending) >= _CHUNK:
-                # Whole keys only, unbuffered: a kill leaves complete keys and at most a
-                # torn last one, which the next build cuts off.
-                await f.write(b"".join(pending))
+                # Whole keys only: a kill leaves complete keys and at most a torn last one,
+                # which the next build cuts off.
+                _write_all(fd, b"".join(pending))
                 pending.clear()
-        await f.write(b"".join(pending))
+        _write_all(fd, b"".join(pending))
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    with memoryview(data) as view:
+        while view:
+            view = view[os.write(fd, view) :]
 
 
 def _resume_point(partial: str) -> str:
-    """The last complete key of a partial listing, or ""; a torn last key is cut off."""
+    """The last complete key of a partial listing, or ""; a torn last key is cut off, and a
+    partial listing whose tail is not a key is started over."""
     try:
         f = open(partial, "r+b")  # noqa: SIM115 -- closed by the with below
     except FileNotFoundError:
@@ -299,19 +343,33 @@ def _resume_point(partial: str) -> str:
         f.seek(size - window)
         tail = f.read(window)
         end = tail.rfind(b"\0")
-        if end < 0:
-            f.truncate(0)
-            return ""
-        f.truncate(size - window + end + 1)
-        start = tail.rfind(b"\0", 0, end) + 1
-        return tail[start:end].decode()
+        start = tail.rfind(b"\0", 0, max(end, 0)) + 1
+        try:
+            last = tail[start:end].decode() if end >= 0 else ""
+        except UnicodeDecodeError:
+            end, last = -1, ""  # damaged: start over
+        f.truncate(size - window + end + 1 if end >= 0 else 0)
+        return last
 
 
-def _finish(name: str) -> None:
+def _finish(name: str) -> KeyIndex:
     # The partial listing becomes the index: sorted (some servers list out of byte order),
     # without duplicates (a resumed listing may repeat its last page).
     partial = f"{name}.partial"
     with open(partial, "rb") as f:
-        keys = f.read().split(b"\0")
-    _write(name, _canonical([key for key in keys if key]))
+        raw = f.read()
+    try:
+        raw.decode()  # every key UTF-8, in one pass
+    except UnicodeDecodeError:
+        raise IntegrityError(f"the partial listing {partial} is damaged") from None
+    keys = _canonical([key for key in raw.split(b"\0") if key])
+    del raw
+    if not keys:
+        os.unlink(partial)
+        return KeyIndex(b"".join(_encode(keys)))  # nothing listed: nothing kept
+    # The partial goes first: a kill between the two leaves no index and no partial (listed
+    # again), never a finished index beside a stale partial that a later rebuild resumes.
+    tmp = _write_temp(name, keys)
     os.unlink(partial)
+    os.replace(tmp, name)
+    return KeyIndex.open(name)

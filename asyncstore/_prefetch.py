@@ -177,7 +177,7 @@ class Prefetcher:
             refill.cancel()
             await asyncio.gather(refill, return_exceptions=True)
         window, self._window = self._window, deque()
-        tasks = [task for _, task in window if not isinstance(task, bytes)]
+        tasks = [task for _, task in window if isinstance(task, asyncio.Future)]
         for task in tasks:
             task.cancel()
         if tasks:
@@ -212,7 +212,7 @@ class Prefetcher:
     async def _pop(self) -> tuple[str, bytes] | None:
         # Wait for the head of the window and take it; None for a key skipped after an error.
         key, task = self._window[0]
-        if isinstance(task, bytes):  # it was local: ready, nothing to wait for
+        if not isinstance(task, asyncio.Future):  # it was local: ready, nothing to wait for
             self._over += 1
             self._waits.add(0.0)
             self._window.popleft()
@@ -365,7 +365,7 @@ class Prefetcher:
             head = self._window[0][1]
             if (
                 items
-                and not isinstance(head, bytes)
+                and isinstance(head, asyncio.Future)
                 and (not head.done() or (not self._skip and head.exception()))
             ):
                 # Give what is ready now rather than wait, and what came before a failed
@@ -385,7 +385,7 @@ class Prefetcher:
         if not self._window:
             return False
         head = self._window[0][1]
-        return isinstance(head, bytes) or head.done()
+        return not isinstance(head, asyncio.Future) or head.done()
 
     # -- stats -------------------------------------------------------------------------------
 

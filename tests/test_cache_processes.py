@@ -191,6 +191,72 @@ def test_processes_opening_a_new_cache_together_all_get_the_tier(tmp_path: Path)
     assert failures == []
 
 
+KILLED_AT_COMMIT = """
+import contextlib, os, signal, sys
+from asyncstore.cache import _disk
+
+@contextlib.contextmanager
+def dies_at_commit(self, begin="BEGIN IMMEDIATE"):
+    self._db.execute(begin)
+    yield self._db
+    os.kill(os.getpid(), signal.SIGKILL)  # the batch is ready; killed before COMMIT
+
+_disk.DiskTier._sql = dies_at_commit
+tier = _disk.DiskTier(sys.argv[1], 1 << 20, "file:///source")
+tier.write_many([(f"k{i}", bytes(20_000), None) for i in range(5)])
+"""
+
+
+def test_a_writer_killed_before_its_commit_publishes_no_entry(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_COMMIT, str(tmp_path)], capture_output=True, text=True
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    tier = DiskTier(tmp_path, 1 << 20, "file:///source")  # reclaims the dead writer's files
+    try:
+        assert tier.entry_count() == 0
+        assert list(tmp_path.glob("*/*.entry")) == []  # no file the index does not count
+        assert all(tier.read(f"k{i}") is None for i in range(5))
+        assert not list((tmp_path / "tmp").iterdir())
+    finally:
+        tier.close()
+
+
+def test_a_tier_that_cannot_open_leaves_no_file_descriptor_behind(tmp_path: Path) -> None:
+    import sqlite3
+
+    (tmp_path / "index.sqlite").mkdir()  # the index path is taken by a directory
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        with pytest.raises(sqlite3.Error):
+            DiskTier(tmp_path, 1 << 20, "file:///source")
+    assert len(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_forked_child_does_not_share_the_parents_writer_lock(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20, "file:///source")
+    try:
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the inherited tier refuses, naming why
+            try:
+                tier.write("k", b"x", None)
+                message = b"wrote"
+            except Exception as exc:
+                message = str(exc).encode()
+            os.write(writer, message)
+            os._exit(0)
+        os.close(writer)
+        os.waitpid(pid, 0)
+        said = os.read(reader, 1000).decode()
+        os.close(reader)
+        assert "before this process forked" in said
+        assert tier.write("k", b"parent", None)  # the parent's tier is untouched
+        assert tier.read("k") == (b"parent", None)
+    finally:
+        tier.close()
+
+
 def test_a_stuck_lock_holder_fails_writers_instead_of_hanging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

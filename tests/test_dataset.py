@@ -88,9 +88,11 @@ def test_listing_is_kept_in_the_cache_dir(dataset_dir: Path, tmp_path: Path) -> 
     assert len(list((tmp_path / "cache").glob("keys-*.idx"))) == 1
 
 
-@pytest.mark.parametrize("readable", [True, False])
+@pytest.mark.parametrize(
+    "kept", ["readable", "{not json", '"train/0000.bin"', '{"a": 1}', '["../x", ""]']
+)
 def test_a_listing_kept_by_an_earlier_version_is_converted_not_listed_again(
-    dataset_dir: Path, tmp_path: Path, readable: bool
+    dataset_dir: Path, tmp_path: Path, kept: str
 ) -> None:
     import json
 
@@ -99,15 +101,15 @@ def test_a_listing_kept_by_an_earlier_version_is_converted_not_listed_again(
     url = str(dataset_dir)
     old = tmp_path / "cache" / f"listing-{xxhash.xxh3_64_hexdigest(url.encode())}.json"
     old.parent.mkdir()
-    kept = ["train/0000.bin", "train/gone.bin"]  # as listed then: one since deleted
-    old.write_text(json.dumps(kept) if readable else "{not json")
+    listed = ["train/0000.bin", "train/gone.bin"]  # as listed then: one since deleted
+    old.write_text(json.dumps(listed) if kept == "readable" else kept)
     ds: StreamingDataset[bytes] = StreamingDataset(url, cache_dir=tmp_path / "cache")
     assert not old.exists()
     assert len(list((tmp_path / "cache").glob("keys-*.idx"))) == 1
-    if readable:
-        assert sorted(ds.plan()) == kept  # converted: the directory was not listed
+    if kept == "readable":
+        assert sorted(ds.plan()) == listed  # converted: the directory was not listed
     else:
-        assert len(ds) == COUNT  # unreadable: listed again
+        assert len(ds) == COUNT  # not a list of valid keys: listed again
 
 
 def test_spawn_workers(dataset_dir: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import os
 import pickle
 import signal
 import subprocess
@@ -346,3 +347,88 @@ def test_a_dataset_over_a_listed_store_reads_what_its_index_names(tmp_path: Path
     assert isinstance(ds._keys, KeyIndex)
     assert ds._keys.path is not None
     ds.close()
+
+
+# -- what a review found ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_build_finishes_its_file_work_before_letting_the_lock_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import asyncio
+
+    from asyncstore import _keyindex
+
+    finished: list[bool] = []
+    real = _keyindex._finish
+
+    def slow_finish(name: str) -> KeyIndex:
+        time.sleep(0.5)
+        index = real(name)
+        finished.append(True)
+        return index
+
+    monkeypatch.setattr(_keyindex, "_finish", slow_finish)
+    calls: list[str] = []
+    task = asyncio.ensure_future(build_index(tmp_path / "k.idx", listing_of(["a", "b"], calls)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.2)  # inside _finish, in its thread
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert finished == [True]  # the lock was held until the file work was done
+
+
+@pytest.mark.anyio
+async def test_a_stale_partial_listing_beside_an_index_is_never_resumed(tmp_path: Path) -> None:
+    path = tmp_path / "k.idx"
+    write_index(path, ["a", "b"])
+    Path(f"{path}.partial").write_bytes(b"a\0c\0")  # what a kill after publishing left
+    calls: list[str] = []
+    assert list(await build_index(path, listing_of(["a", "b"], calls))) == ["a", "b"]  # type: ignore[arg-type]
+    path.unlink()  # "list again": the objects changed
+    assert list(await build_index(path, listing_of(["a", "b", "d"], calls))) == ["a", "b", "d"]  # type: ignore[arg-type]
+    assert calls == [""]  # listed from the start, not after the stale "c"
+
+
+@pytest.mark.anyio
+async def test_a_damaged_partial_listing_is_listed_again(tmp_path: Path) -> None:
+    path = tmp_path / "k.idx"
+    for damage in (b"a\0\xff\xfe\0", b"\xff\xfe\0a\0"):
+        Path(f"{path}.partial").write_bytes(damage)
+        calls: list[str] = []
+        assert list(await build_index(path, listing_of(["a", "b"], calls))) == ["a", "b"]  # type: ignore[arg-type]
+        assert calls[-1] == ""
+        path.unlink()
+
+
+@pytest.mark.anyio
+async def test_an_empty_listing_is_not_kept(tmp_path: Path) -> None:
+    path = tmp_path / "k.idx"
+    calls: list[str] = []
+    assert len(await build_index(path, listing_of([], calls))) == 0  # type: ignore[arg-type]
+    assert not path.exists()
+    assert list(await build_index(path, listing_of(["late"], calls))) == ["late"]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_file_name_that_is_not_utf8_is_named_in_an_asyncstore_error(
+    tmp_path: Path, cached: bool
+) -> None:
+    from asyncstore import InvalidKey
+
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "good.bin").write_bytes(b"x")
+    os.close(os.open(os.path.join(os.fsencode(root), b"bad\xff.bin"), os.O_CREAT | os.O_WRONLY))
+    with pytest.raises(InvalidKey, match="rename that object"):
+        StreamingDataset(root, cache_dir=tmp_path / "c" if cached else None)
+
+
+def test_a_resume_state_with_negative_positions_is_refused(tmp_path: Path) -> None:
+    from asyncstore import InvalidArgument
+
+    ds: StreamingDataset[bytes] = StreamingDataset(tmp_path, keys=[f"k{i}" for i in range(6)])
+    for state in ({"epoch": 0, "consumed": -4}, {"epoch": -3, "consumed": 0}):
+        with pytest.raises(InvalidArgument, match=">= 0"):
+            ds.load_state_dict(state)

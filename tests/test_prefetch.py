@@ -279,3 +279,20 @@ async def test_early_exit_releases_every_slot_and_connection(seaweedfs: SeaweedF
         with anyio.fail_after(10):
             results = await asyncio.gather(*(store.get(f"o{i:03d}") for i in range(40)))
         assert all(len(r) == 200_000 for r in results)
+
+
+async def test_a_store_returning_bytearrays_is_prefetched_over_warm_epochs() -> None:
+    # Items already local wait in the window as they are: a bytearray from a custom store
+    # must not be taken for a fetch in flight.
+    class Mutable(MemoryStore):
+        async def _get(self, key: str, start: int, end: int | None) -> bytes:
+            return bytearray(await super()._get(key, start, end))  # type: ignore[return-value]
+
+    store = Mutable(unique("bytearrays"))
+    async with store, TieredCache(store, memory_bytes=1 << 20) as cache:
+        for i in range(10):
+            await store.put(f"k{i}", bytes([i]) * 10)
+        for _ in range(2):  # the second epoch is all memory hits
+            async with Prefetcher(cache, [f"k{i}" for i in range(10)]) as prefetcher:
+                got = [data async for _, data in prefetcher]
+            assert got == [bytes([i]) * 10 for i in range(10)]

@@ -41,7 +41,8 @@ import sqlite3
 import struct
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import xxhash
@@ -117,14 +118,18 @@ class DiskTier:
         self._lock_fd = os.open(
             f"{self._root}/index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
         )
-        self._db = sqlite3.connect(
-            self._db_path,
-            timeout=_BUSY_TIMEOUT_MS / 1000,
-            isolation_level=None,
-            check_same_thread=False,
-        )
         # Keep the write-ahead log small and bounded: it counts against the budget.
         self._wal_reserve = min(4 << 20, budget // 8)
+        try:
+            self._db = sqlite3.connect(
+                self._db_path,
+                timeout=_BUSY_TIMEOUT_MS / 1000,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         try:
             # Under the writers' lock: switching a new index to WAL fails at once ("database
             # is locked", no busy wait) while another process is opening it too, which
@@ -135,6 +140,7 @@ class DiskTier:
             self._db.close()
             os.close(self._lock_fd)
             raise
+        _OPEN_TIERS.add(self)
         self.clean_leftovers()
 
     def _set_up(self) -> None:
@@ -260,10 +266,11 @@ class DiskTier:
         Room is made before bytes are written: inside the transaction, which holds SQLite's
         write lock across processes, each entry evicts what it needs before its temp file is
         written, so the directory never holds more than the budget however many writers
-        burst at once. The temp files are renamed into place at the end of the transaction:
-        no other process can evict, remove or re-admit an entry between its row changing and
-        its file changing, and a writer killed while writing leaves only temp files (named
-        after its pid, reclaimed by the survivors), not entries the index does not know.
+        burst at once. The temp files are renamed into place once the transaction commits,
+        still under the writers' lock: no other process can evict, remove or re-admit an
+        entry between its row changing and its file changing, and a writer killed on the
+        way leaves temp files (named after its pid, reclaimed by the survivors) or rows
+        without files (misses, evicted in time), never entries the index does not count.
         Writers of other processes wait for the lock meanwhile: the writes go to the page
         cache (no fsync), so a batch holds it for about as long as copying its bytes.
         """
@@ -276,7 +283,6 @@ class DiskTier:
         kept: dict[str, int] = {}  # name -> position of the item written for it
         staged: dict[str, str] = {}  # name -> its temp file, renamed at the end
         renamed: list[str] = []
-        tmp = ""
 
         def drop(name: str) -> None:
             # Its row is gone: its file goes too, a temp file of this batch or an entry.
@@ -288,7 +294,42 @@ class DiskTier:
                 self._unlink(name)
 
         try:
-            with self._transaction() as db:
+            with self._db_lock, self._writers_locked():
+                self._write_batch(items, results, kept, staged, drop, pid)
+                # Committed: the files go into place now, still under the writers' lock, so
+                # no other process evicts, removes or re-admits them in between. A kill
+                # here leaves rows whose files are missing (read as misses, evicted in
+                # time), never files the index does not count.
+                for name, staged_tmp in staged.items():
+                    shard = name[:2]
+                    if shard not in self._shards:
+                        os.makedirs(f"{self._root}/{shard}", exist_ok=True)
+                        self._shards.add(shard)
+                    final = self.path_for(name)
+                    os.rename(staged_tmp, final)
+                    renamed.append(final)
+                self._bound_log()
+        except BaseException:
+            # Rolled back, or not all in place: the temp files still there go.
+            for path in staged.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
+        return results
+
+    def _write_batch(
+        self,
+        items: list[tuple[str, bytes, str | None]],
+        results: list[bool],
+        kept: dict[str, int],
+        staged: dict[str, str],
+        drop: Callable[[str], None],
+        pid: int,
+    ) -> None:
+        # write_many's transaction: room made, temp files written, rows in, committed.
+        tmp = ""
+        try:
+            with self._sql() as db:
                 limit = self._limit()
                 (total,) = db.execute("SELECT bytes FROM total").fetchone()
                 names = [self.name_for(key) for key, _, _ in items]
@@ -332,21 +373,11 @@ class DiskTier:
                     [(name, size, now) for name, size in sizes.items()],
                 )
                 db.execute("UPDATE total SET bytes = ?", (total,))
-                for name, staged_tmp in staged.items():
-                    shard = name[:2]
-                    if shard not in self._shards:
-                        os.makedirs(f"{self._root}/{shard}", exist_ok=True)
-                        self._shards.add(shard)
-                    final = self.path_for(name)
-                    os.rename(staged_tmp, final)
-                    renamed.append(final)
         except BaseException:
-            # Rolled back: files written or published in this batch have no rows any more.
-            for path in filter(None, [tmp, *staged.values(), *renamed]):
+            if tmp:  # the temp file being written when it failed
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+                    os.unlink(tmp)
             raise
-        return results
 
     @staticmethod
     def _sizes(db: sqlite3.Connection, names: list[str]) -> dict[str, int]:
@@ -384,16 +415,23 @@ class DiskTier:
         """Hold this process's index lock and one SQLite transaction: commit on success,
         roll back on any error."""
         with self._db_lock, self._writers_locked():
-            db = self._db
-            db.execute(begin)
-            try:
+            with self._sql(begin) as db:
                 yield db
-                db.execute("COMMIT")
-            except BaseException:
-                with contextlib.suppress(sqlite3.Error):
-                    db.execute("ROLLBACK")
-                raise
             self._bound_log()
+
+    @contextlib.contextmanager
+    def _sql(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
+        """One SQLite transaction (the caller holds the locks): commit on success, roll back
+        on any error."""
+        db = self._db
+        db.execute(begin)
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            with contextlib.suppress(sqlite3.Error):
+                db.execute("ROLLBACK")
+            raise
 
     @contextlib.contextmanager
     def _writers_locked(self) -> Iterator[None]:
@@ -402,6 +440,14 @@ class DiskTier:
             yield
         finally:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _forget_lock(self) -> None:
+        # In a forked child: the lock's open file is shared with the parent, so holding it
+        # here would keep the parent's lock held after the parent died. Closed; the tier
+        # must be opened again in the child.
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def _lock_writers(self) -> None:
         """Take the lock that every process's writers share, or raise after
@@ -414,6 +460,11 @@ class DiskTier:
         SQLite's lock would, which turns the tier off rather than hanging the job.
         """
         fd = self._lock_fd
+        if fd < 0:
+            raise sqlite3.OperationalError(
+                f"the disk cache at {self._root} was opened before this process forked, or "
+                "was closed; open it again here"
+            )
         deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
         pause = 0.0001
         while not try_lock(fd):
@@ -591,6 +642,18 @@ class DiskTier:
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)
                 self._lock_fd = -1
+
+
+_OPEN_TIERS: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+
+
+def _forget_locks() -> None:
+    for tier in list(_OPEN_TIERS):
+        tier._forget_lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks)
 
 
 def _encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> bytes:

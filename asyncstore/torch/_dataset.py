@@ -238,7 +238,14 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         async def listed(start_after: str) -> AsyncIterator[str]:
             async with open_store(self._url, **self._options) as store:
                 async for info in store.list(start_after=start_after):
-                    yield info.key
+                    try:
+                        yield check_key(info.key, self._url)
+                    except InvalidKey as exc:
+                        # A local file whose name is not UTF-8, say: it could not be read.
+                        raise InvalidKey(
+                            f"listing {self._url}: {exc}; rename that object, or pass "
+                            "keys=[...] without it"
+                        ) from None
 
         if self._cache_dir is None:
 
@@ -255,8 +262,10 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if old.exists() and not path.exists():
             # Earlier versions kept it as JSON: converted once rather than listed again (a
             # file that does not read as a list of keys is dropped, and the source listed).
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                write_index(path, json.loads(old.read_text()))
+            with contextlib.suppress(OSError, ValueError):
+                kept = json.loads(old.read_text())
+                if isinstance(kept, list) and kept:
+                    write_index(path, _check_keys(kept, self._url))
             old.unlink(missing_ok=True)
         return run_sync(build_index(path, listed))
 
@@ -332,6 +341,10 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if state.get("seed", self._seed) != self._seed:
             raise InvalidArgument(
                 f"state was saved with seed={state['seed']}, this dataset has seed={self._seed}"
+            )
+        if epoch < 0 or consumed < 0:
+            raise InvalidArgument(
+                f"state {state!r}: epoch and consumed must be >= 0; pass what state_dict() returned"
             )
         if consumed % self._batch:
             raise InvalidArgument(
