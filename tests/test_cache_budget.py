@@ -25,8 +25,9 @@ MB = 1_000_000
 ENTRY_SLACK = 4096  # an entry's header: source, key, ETag and lengths
 
 
-def directory_bytes(directory: Path) -> int:
-    """Every byte under ``directory``: entries, temp files, the index and its log.
+def directory_bytes(directory: Path, seen: list[str] | None = None) -> int:
+    """Every byte under ``directory``: entries, temp files, the index and its log; with
+    ``seen``, the files counted are appended to it as ``"path size"``.
 
     The temp directory is read last: a file renamed from it into a shard while the walk
     runs is then counted once at most, never in both places (which read as a budget
@@ -37,23 +38,32 @@ def directory_bytes(directory: Path) -> int:
     for top in tops:
         with contextlib.suppress(FileNotFoundError):
             if not top.is_dir(follow_symlinks=False):
-                total += top.stat(follow_symlinks=False).st_size
+                size = top.stat(follow_symlinks=False).st_size
+                total += size
+                if seen is not None:
+                    seen.append(f"{top.name} {size}")
                 continue
             for root, _, files in os.walk(top.path):
                 for name in files:
                     # Renamed or unlinked between the listing and the stat: gone from here.
                     with contextlib.suppress(FileNotFoundError):
-                        total += os.stat(os.path.join(root, name)).st_size
+                        path = os.path.join(root, name)
+                        size = os.stat(path).st_size
+                        total += size
+                        if seen is not None:
+                            seen.append(f"{os.path.relpath(path, directory)} {size}")
     return total
 
 
 class Sampler:
     """The largest :func:`directory_bytes` seen, sampled about every millisecond in a
-    thread while the block runs."""
+    thread while the block runs; :attr:`at_peak` lists the files that sample counted (in
+    failure messages: which files were there, and where)."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.peak = 0
+        self.at_peak: list[str] = []
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -61,7 +71,10 @@ class Sampler:
     def _run(self) -> None:
         while not self._stop.is_set():
             if self.directory.exists():
-                self.peak = max(self.peak, directory_bytes(self.directory))
+                seen: list[str] = []
+                size = directory_bytes(self.directory, seen)
+                if size > self.peak:
+                    self.peak, self.at_peak = size, seen
                 self.samples += 1
             self._stop.wait(0.001)
 
@@ -92,7 +105,7 @@ async def test_a_burst_of_misses_never_overfills_the_directory(tmp_path: Path) -
                     stats = cache.stats()
         assert sampler.samples > 10
         # One process, one writer: the budget, plus the one entry it may be writing.
-        assert sampler.peak <= budget + MB + ENTRY_SLACK, sampler.peak
+        assert sampler.peak <= budget + MB + ENTRY_SLACK, (sampler.peak, sampler.at_peak)
         assert directory_bytes(cache_dir) <= budget
         assert stats.disk.enabled
 
@@ -148,7 +161,8 @@ def test_bursts_from_several_processes_share_one_budget(tmp_path: Path) -> None:
             assert out.strip() == "OK"
     assert sampler.samples > 10
     # One entry in flight per writer at most, beyond the budget.
-    assert sampler.peak <= budget + writers * (MB // 2 + ENTRY_SLACK), sampler.peak
+    bound = budget + writers * (MB // 2 + ENTRY_SLACK)
+    assert sampler.peak <= bound, (sampler.peak, sampler.at_peak)
     assert directory_bytes(cache_dir) <= budget
 
 
