@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from typing import Any, overload
 
+import anyio
 import xxhash
 
 from ._flock import try_lock
@@ -254,8 +255,6 @@ async def build_index(
     the event loop free) and map the finished file. A build cancelled midway finishes the
     file work it started before it lets the lock go.
     """
-    import anyio
-
     name = os.fspath(path)
     partial = f"{name}.partial"
     with contextlib.suppress(FileNotFoundError, IntegrityError):
@@ -302,8 +301,6 @@ async def build_index(
 
 async def _list_into(partial: str, listing: Callable[[str], AsyncIterator[str]]) -> None:
     # Append the listing to the partial file, resuming after its last complete key.
-    import anyio
-
     last = await shielded(anyio.to_thread.run_sync(_resume_point, partial))
     # Plain writes on this thread, a few MB each: nothing still writes once this returns or
     # is cancelled, so the lock is never released under a write in flight.

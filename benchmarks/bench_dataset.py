@@ -22,6 +22,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from _report import machine, record
@@ -32,6 +33,7 @@ from asyncstore.testing import SeaweedFS
 from asyncstore.torch import StreamingDataset
 
 BUCKET = "bench-dataset"
+T = TypeVar("T")
 Say = Callable[..., None]  # say(line="")
 BATCH = 64
 
@@ -68,6 +70,19 @@ def as_tensor(key: str, data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def worker_share(items: list[T]) -> list[T]:
+    """This DataLoader worker's items: whole batches in turn, as StreamingDataset's workers
+    take them (all of them outside a worker)."""
+    info = get_worker_info()
+    if info is None:
+        return items
+    return [
+        item
+        for start in range(info.id * BATCH, len(items), BATCH * info.num_workers)
+        for item in items[start : start + BATCH]
+    ]
+
+
 class InMemory(IterableDataset[torch.Tensor]):
     """The same samples from a list in memory: what the DataLoader alone can deliver.
 
@@ -83,15 +98,7 @@ class InMemory(IterableDataset[torch.Tensor]):
         return len(self.items)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        info = get_worker_info()
-        share = self.items
-        if info is not None:
-            share = [
-                item
-                for start in range(info.id * BATCH, len(self.items), BATCH * info.num_workers)
-                for item in self.items[start : start + BATCH]
-            ]
-        for key, data in share:
+        for key, data in worker_share(self.items):
             yield as_tensor(key, data)
 
 
@@ -108,15 +115,7 @@ class PlainFiles(IterableDataset[torch.Tensor]):
         return len(self.paths)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        info = get_worker_info()
-        share = self.paths
-        if info is not None:
-            share = [
-                path
-                for start in range(info.id * BATCH, len(self.paths), BATCH * info.num_workers)
-                for path in self.paths[start : start + BATCH]
-            ]
-        for path in share:
+        for path in worker_share(self.paths):
             with open(path, "rb") as f:
                 yield as_tensor(path.name, f.read())
 
