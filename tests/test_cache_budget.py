@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import subprocess
 import sys
@@ -26,16 +27,10 @@ ENTRY_SLACK = 4096  # an entry's header: source, key, ETag and lengths
 
 
 def directory_bytes(directory: Path, seen: list[str] | None = None) -> int:
-    """Every byte under ``directory``: entries, temp files, the index and its log; with
-    ``seen``, the files counted are appended to it as ``"path size"``.
-
-    The temp directory is read last: a file renamed from it into a shard while the walk
-    runs is then counted once at most, never in both places (which read as a budget
-    overrun that never happened: a batch's files counted twice).
-    """
+    """Every byte under ``directory``: segments, the index and its log; with ``seen``, the
+    files counted are appended to it as ``"path size"``."""
     total = 0
-    tops = sorted(os.scandir(directory), key=lambda entry: entry.name == "tmp")
-    for top in tops:
+    for top in os.scandir(directory):
         with contextlib.suppress(FileNotFoundError):
             if not top.is_dir(follow_symlinks=False):
                 size = top.stat(follow_symlinks=False).st_size
@@ -204,6 +199,7 @@ def test_batches_of_writes_keep_the_index_the_files_and_the_budget_in_step(
     budget = 120_000
     tier = DiskTier(directory, budget, "file:///source")
     latest: dict[str, bytes] = {}
+    written: set[str] = set()
     try:
         for batch in batches:
             items: list[tuple[str, bytes, str | None]] = [
@@ -223,9 +219,15 @@ def test_batches_of_writes_keep_the_index_the_files_and_the_budget_in_step(
                 entry = tier.read(key)
                 if entry is not None:  # evicted later in the run: fine, never wrong
                     assert entry[0] == payload
-            files = list(directory.glob("*/*.entry"))
-            assert tier.entry_count() == len(files)
+            files = list((directory / "segments").iterdir())
             assert tier.used_bytes() - tier._db_bytes() == sum(f.stat().st_size for f in files)
+            written.update(item[0] for item in items)
+            # Every indexed record lies inside its segment, and no two overlap.
+            spans = sorted(span for k in written if (span := tier.locate(k)) is not None)
+            assert len(spans) == tier.entry_count()
+            for (path, offset, size), (other, start, _) in itertools.pairwise(spans):
+                assert path != other or offset + size <= start
+            assert all(offset + size <= os.path.getsize(p) for p, offset, size in spans)
             assert directory_bytes(directory) <= budget
     finally:
         tier.close()

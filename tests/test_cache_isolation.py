@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import struct
 import subprocess
 import sys
@@ -92,14 +93,17 @@ async def test_s3_prefixes_sharing_a_directory(seaweedfs: SeaweedFS, tmp_path: P
 
 
 def test_an_entry_of_another_store_at_the_same_name_is_refused(tmp_path: Path) -> None:
-    # Even a file that names the wrong store while sitting at this store's name (a hash
+    # Even a record that names the wrong store while indexed under this store's name (a hash
     # collision, a copied directory) is not served: the header names its source.
     mine = DiskTier(tmp_path, 1 << 20, "memory://mine")
     other = DiskTier(tmp_path, 1 << 20, "memory://other")
     try:
         assert other.write("k", b"OTHER", None)
-        Path(mine.path_for(mine.name_for("k"))).parent.mkdir(exist_ok=True)
-        Path(other.path_for(other.name_for("k"))).rename(mine.path_for(mine.name_for("k")))
+        with sqlite3.connect(tmp_path / "index.sqlite") as db:
+            db.execute(
+                "UPDATE entries SET name = ? WHERE name = ?",
+                (mine.name_for("k"), other.name_for("k")),
+            )
         with pytest.raises(asyncstore.IntegrityError, match="another store"):
             mine.read("k")
         assert mine.read("k") is None  # dropped
@@ -130,10 +134,16 @@ async def test_entries_of_the_old_format_are_refetched(tmp_path: Path) -> None:
         async with asyncstore.open_store(f"memory://{name}") as store:
             await store.put("k", b"fresh")
             tier = DiskTier(tmp_path, 1 << 20, store.identity)
-            path = Path(tier.path_for(tier.name_for("k")))
+            assert tier.write("k", b"stale", None)
+            found = tier.locate("k")
             tier.close()
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(_version_1_entry("k", b"stale", ""))
+            assert found is not None
+            path, offset, size = found
+            old = _version_1_entry("k", b"stale", "")
+            assert len(old) <= size
+            with open(path, "r+b") as f:  # a record of format 1 where the index points
+                f.seek(offset)
+                f.write(old)
             async with TieredCache(
                 store, memory_bytes=1, disk_dir=tmp_path, disk_bytes=1 << 20
             ) as cache:
@@ -233,3 +243,37 @@ def test_stores_with_the_same_keys_share_a_directory_across_processes(
             assert status == "OK"
             assert corrupt == "0"
             assert int(hits) > 0  # each process did read from the shared directory
+
+
+def test_a_directory_of_the_per_file_layout_is_emptied_and_refills(tmp_path: Path) -> None:
+    # Format 2 kept one file per entry ("ab/<name>.entry"), temp files in "tmp/" and an index
+    # with one row per file: none of it may be read as, or counted beside, the new layout.
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.executescript(
+            """
+            CREATE TABLE entries (name TEXT PRIMARY KEY, size INTEGER NOT NULL,
+                atime REAL NOT NULL);
+            CREATE TABLE total (id INTEGER PRIMARY KEY CHECK (id = 0), bytes INTEGER NOT NULL);
+            INSERT INTO entries VALUES ('ab12', 100000, 0);
+            INSERT INTO total VALUES (0, 100000);
+            """
+        )
+    (tmp_path / "ab").mkdir()
+    (tmp_path / "ab" / "ab12.entry").write_bytes(b"x" * 100_000)
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp" / "123-deadbeef0").write_bytes(b"partial")
+    tier = DiskTier(tmp_path, 1 << 20, "memory://source")
+    try:
+        assert not (tmp_path / "ab").exists()
+        assert not (tmp_path / "tmp").exists()
+        assert tier.entry_count() == 0
+        assert tier.used_bytes() == tier._db_bytes()
+        assert tier.write("k", b"new", None)
+        assert tier.read("k") == (b"new", None)
+    finally:
+        tier.close()
+    again = DiskTier(tmp_path, 1 << 20, "memory://source")  # the new layout is kept
+    try:
+        assert again.read("k") == (b"new", None)
+    finally:
+        again.close()

@@ -7,6 +7,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -83,9 +84,11 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
     time.sleep(2.0)
     victim.send_signal(signal.SIGKILL)  # somewhere in a read, a write or an eviction
     victim.communicate(timeout=30)
-    # A temp file as a killed writer leaves it (its pid is gone), to be cleaned up.
-    (cache / "tmp").mkdir(parents=True, exist_ok=True)  # the workers may not have made it yet
-    (cache / "tmp" / f"{victim.pid}-deadbeefcafe").write_bytes(b"partial")
+    # A segment file as a writer killed before its commit leaves it (the index never knew
+    # it), to be cleaned up.
+    (cache / "segments").mkdir(parents=True, exist_ok=True)  # the workers may not have yet
+    orphan = cache / "segments" / "999999999.seg"
+    orphan.write_bytes(b"partial")
     late = [spawn(dataset, cache, budget, seed=s, rounds=300) for s in range(10, 12)]
     for proc in workers + late:
         out, err = proc.communicate(timeout=120)
@@ -98,7 +101,8 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
     tier = DiskTier(cache, budget, f"file://{dataset}")
     try:
         assert tier.used_bytes() <= budget
-        assert not list((cache / "tmp").iterdir())
+        assert not orphan.exists()
+        assert unaccounted(cache) == 0
         served = 0
         for i in range(KEYS):
             entry = tier.read(f"k/{i:03d}")  # raises IntegrityError on a damaged entry
@@ -106,8 +110,7 @@ def test_processes_share_one_budget_and_survive_a_kill(dataset: Path, tmp_path: 
                 assert entry[0] == payload(i)
                 served += 1
         assert served > 0
-        files = list(cache.glob("*/*.entry"))
-        assert sum(f.stat().st_size for f in files) <= budget
+        assert segment_bytes(cache) <= budget
     finally:
         tier.close()
 
@@ -215,9 +218,8 @@ def test_a_writer_killed_before_its_commit_publishes_no_entry(tmp_path: Path) ->
     tier = DiskTier(tmp_path, 1 << 20, "file:///source")  # reclaims the dead writer's files
     try:
         assert tier.entry_count() == 0
-        assert list(tmp_path.glob("*/*.entry")) == []  # no file the index does not count
+        assert segment_bytes(tmp_path) == 0  # no byte the index does not count
         assert all(tier.read(f"k{i}") is None for i in range(5))
-        assert not list((tmp_path / "tmp").iterdir())
     finally:
         tier.close()
 
@@ -333,35 +335,43 @@ import os, sys, time
 from asyncstore.cache import _disk
 from asyncstore.cache._disk import DiskTier
 
-def stall(path, head, payload):
-    # Half of the entry written, then stop, inside the batch's transaction: the moment a
-    # SIGKILL leaves a temp file behind.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    os.write(fd, head + payload[: len(payload) // 2])
+def stall(path, offset, buffers):
+    # Half of the first entry appended, then stop, inside the batch's transaction: the
+    # moment a SIGKILL leaves bytes the index does not count.
+    fd = os.open(path, os.O_WRONLY)
+    os.pwrite(fd, buffers[0] + buffers[1][: len(buffers[1]) // 2], offset)
     print("WRITING", flush=True)
     time.sleep(3600)
 
-_disk._write_new = stall
+_disk._append = stall
 tier = DiskTier(sys.argv[1], int(sys.argv[2]), "file:///victim")
 print("READY", flush=True)
 tier.write_many([(f"v/{i}", bytes([i % 256]) * (int(sys.argv[3]) << 10), None) for i in range(8)])
 """
 
 
-def _left_by(pids: set[int], directory: Path) -> list[Path]:
-    # Temp files name their writer's pid (format 1 put them in shards as ".tmp-PID-…").
-    prefixes = tuple(p for pid in pids for p in (f"{pid}-", f".tmp-{pid}-"))
-    return [f for f in directory.rglob("*") if f.name.startswith(prefixes)]
+def segment_bytes(directory: Path) -> int:
+    """Bytes in the segment files."""
+    return sum(f.stat().st_size for f in (directory / "segments").iterdir())
 
 
-def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path) -> None:
+def unaccounted(directory: Path) -> int:
+    """Bytes in segment files that the index does not count (what killed writers left)."""
+    with contextlib.closing(sqlite3.connect(directory / "index.sqlite")) as db:
+        recorded = dict(db.execute("SELECT id, bytes FROM segments").fetchall())
+    return sum(
+        max(0, f.stat().st_size - recorded.get(int(f.stem), 0))
+        for f in (directory / "segments").iterdir()
+    )
+
+
+def test_bytes_of_killed_writers_are_reclaimed_while_running(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     budget = 3 << 20
     entry = 512  # KiB
     survivor = DiskTier(cache, budget, "file:///survivor")  # opened before the kills
     for i in range(5):  # the survivor's entries fill most of the budget
         assert survivor.write(f"s/{i}", bytes([i]) * (512 << 10), None)
-    pids: set[int] = set()
     # Writers write inside the index's transaction: each of three writers, killed in the
     # middle of its first entry, leaves one partial temp file, and the next writer only then
     # gets the lock.
@@ -371,7 +381,6 @@ def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path
             stdout=subprocess.PIPE,
             text=True,
         )
-        pids.add(victim.pid)
         try:
             assert victim.stdout is not None
             assert victim.stdout.readline().strip() == "READY"
@@ -382,14 +391,14 @@ def test_temp_files_of_killed_writers_are_reclaimed_while_running(tmp_path: Path
             victim.communicate(timeout=30)
     # Each victim, opening the directory, reclaimed what the one before it left: the last
     # one's partial entry is there, and never more than one per killed writer.
-    left = _left_by(pids, cache)
-    assert 1 <= len(left) <= 3
+    left = unaccounted(cache)
+    assert 0 < left <= 3 * (entry << 10)
     assert _dir_bytes(cache) <= budget + 3 * (entry << 10)
     # The survivor keeps writing, and gives their bytes back without reopening.
     deadline = time.monotonic() + 60
     i = 0
-    while _left_by(pids, cache):
-        assert time.monotonic() < deadline, "dead writers' temp files were never reclaimed"
+    while unaccounted(cache):
+        assert time.monotonic() < deadline, "dead writers' bytes were never reclaimed"
         assert survivor.write(f"t/{i}", bytes([i % 256]) * (16 << 10), None)
         i += 1
         time.sleep(0.05)
