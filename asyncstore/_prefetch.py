@@ -341,16 +341,21 @@ class Prefetcher:
             self._depth -= 1
             self._over = 0
 
-    async def take(self, most: int) -> list[tuple[str, bytes]]:
-        """Wait for the next item, then add whatever else is ready, up to ``most`` items.
+    async def take(self, most: int, *, least: int = 1) -> list[tuple[str, bytes]]:
+        """Wait for the next ``least`` items, then add whatever else is ready, up to
+        ``most`` items.
 
         For consumers that pay per call (a thread hop per call from a sync caller): the
         window may grow to ``most`` for items that are already local, and the window is
-        refilled once per call rather than once per item. Returns ``[]`` at the end of the
-        plan.
+        refilled once per call rather than once per item. A consumer that cannot use fewer
+        than ``least`` items anyway (a DataLoader collecting a batch) saves the calls that
+        would each bring a few. Fewer come back only at the end of the plan, or before a
+        failed item (the next call raises its error); ``[]`` means the plan is done.
         """
         if isinstance(most, bool) or not isinstance(most, int) or most < 1:
             raise InvalidArgument(f"most={most!r}: pass a positive int")
+        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= most:
+            raise InvalidArgument(f"least={least!r}: pass an int from 1 to most={most}")
         # Kept after the call: the background refill prepares the next take() as deep.
         self._want = most
         items: list[tuple[str, bytes]] = []
@@ -366,7 +371,10 @@ class Prefetcher:
             if (
                 items
                 and isinstance(head, asyncio.Future)
-                and (not head.done() or (not self._skip and head.exception()))
+                and (
+                    (not head.done() and len(items) >= least)
+                    or (head.done() and not self._skip and head.exception())
+                )
             ):
                 # Give what is ready now rather than wait, and what came before a failed
                 # key before its error (the next call raises it).
@@ -374,8 +382,8 @@ class Prefetcher:
             item = await self._pop()
             if item is not None:
                 items.append(item)
-            if not items and self._state == "open":
-                await self._fill()  # waiting for the first item: keep fetches going
+            if len(items) < least and self._state == "open":
+                await self._fill()  # waiting for the first items: keep fetches going
         if self._state == "open":
             self._refill_soon()
         return items

@@ -183,6 +183,29 @@ async def test_take_batches_in_order_with_errors(slow: SlowStore) -> None:
         await Prefetcher(slow, plan).take(0)
 
 
+async def test_take_waits_for_least_items_per_call(slow: SlowStore) -> None:
+    # A consumer that needs whole batches gets them in one call each, never a few at a time;
+    # only the end of the plan or a failed key makes a call come back short.
+    plan = [f"k{i:03d}" for i in range(50)]
+    async with Prefetcher(slow, plan, max_inflight=4) as prefetcher:
+        sizes = []
+        while batch := await prefetcher.take(16, least=12):
+            sizes.append(len(batch))
+    assert sum(sizes) == 50
+    assert all(size >= 12 for size in sizes[:-1]), sizes
+    assert len(sizes) <= 5
+    plan[30] = "missing"
+    seen: list[str] = []
+    with pytest.raises(NotFound, match="missing"):
+        async with Prefetcher(slow, plan) as prefetcher:
+            while batch := await prefetcher.take(16, least=12):
+                seen += [key for key, _ in batch]
+    assert seen == plan[:30]  # what came before the failed key, then its error
+    for least in (0, 17, True):
+        with pytest.raises(InvalidArgument, match="least="):
+            await Prefetcher(slow, plan).take(16, least=least)
+
+
 async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:
     slow.delay, slow.jitter = 0.0, 0.0
     rng = random.Random(2)

@@ -371,8 +371,12 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         conn = self._connection()
         session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
         try:
+            # A DataLoader uses nothing before it has a whole batch: wait for one per trip
+            # (when it fits in a trip) rather than make several trips for a few items each,
+            # which in a cold epoch cost more CPU than the samples' own handling.
+            least = self._batch if self._batch <= _BATCH else 1
             while True:
-                items = run_sync(session.next_batch(_BATCH))
+                items = run_sync(session.next_batch(_BATCH, least))
                 if not items:
                     break
                 for key, data in items:
@@ -462,8 +466,8 @@ class _Session:
         self.cache, self.prefetcher = cache, prefetcher
         self.samples = 0
 
-    async def next_batch(self, most: int) -> list[tuple[str, bytes]]:
-        items = await self.prefetcher.take(most)
+    async def next_batch(self, most: int, least: int) -> list[tuple[str, bytes]]:
+        items = await self.prefetcher.take(most, least=least)
         self.samples += len(items)
         return items
 
