@@ -70,6 +70,7 @@ from pathlib import Path
 import xxhash
 
 from .._flock import try_lock
+from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError
 
 _MAGIC = b"ASCE"
@@ -89,8 +90,6 @@ _SEGMENTS = "segments"
 SEGMENT_MAX = 64 << 20
 """Largest segment a writer fills before starting another: evicting one frees at most this
 much, and a budget of 1 GiB holds 16 of them."""
-# Most buffers one pwritev takes (Linux's IOV_MAX is 1024): two per record.
-_IOV_MAX = 1024
 
 
 class WouldBlock:
@@ -434,14 +433,14 @@ class DiskTier:
     ) -> None:
         # write_many's transaction: room made, records appended, rows in.
         limit = self._limit()
-        sizes = dict(db.execute("SELECT id, bytes FROM segments").fetchall())
+        owners: dict[int, str] = {}
+        sizes: dict[int, int] = {}
+        for segment, size, segment_owner in db.execute("SELECT id, bytes, owner FROM segments"):
+            sizes[segment], owners[segment] = size, segment_owner
         total = sum(sizes.values())
         active = self._active
         if active is not None and (
-            active not in sizes
-            or db.execute("SELECT owner FROM segments WHERE id = ?", (active,)).fetchall()
-            != [(owner,)]
-            or not os.path.exists(self.segment_path(active))
+            owners.get(active) != owner or not os.path.exists(self.segment_path(active))
         ):
             # Evicted by another process, not ours (a forked child), or unlinked by a writer
             # killed before its commit (the row came back, the file did not).
@@ -563,10 +562,6 @@ class DiskTier:
         with self._db_lock, self._writers_locked():
             self._reclaim()
 
-    def _remove_rows(self, names: list[str]) -> None:
-        with self._transaction() as db:
-            db.executemany("DELETE FROM entries WHERE name = ?", [(n,) for n in names])
-
     @contextlib.contextmanager
     def _transaction(self, begin: str = "BEGIN IMMEDIATE") -> Iterator[sqlite3.Connection]:
         """Hold this process's index lock and one SQLite transaction: commit on success,
@@ -678,7 +673,8 @@ class DiskTier:
             )
 
     def _remove(self, name: str) -> None:
-        self._remove_rows([name])
+        with self._transaction() as db:
+            db.execute("DELETE FROM entries WHERE name = ?", (name,))
 
     def clear(self) -> None:
         """Remove every entry (of every process)."""
@@ -686,8 +682,7 @@ class DiskTier:
             segments = [row[0] for row in db.execute("SELECT id FROM segments").fetchall()]
             db.execute("DELETE FROM entries")
             db.execute("DELETE FROM segments")
-        with self._db_lock, self._writers_locked():
-            for segment in segments:
+            for segment in segments:  # as evictions do: gone before the commit
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.segment_path(segment))
         self._active = None
@@ -760,16 +755,11 @@ def _append(path: str, offset: int, buffers: list[bytes]) -> None:
     # payloads, no file object.
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
-        for start in range(0, len(buffers), _IOV_MAX):
-            views = [memoryview(b) for b in buffers[start : start + _IOV_MAX]]
-            while views:
-                done = os.pwritev(fd, views, offset)
-                offset += done
-                while views and done >= len(views[0]):
-                    done -= len(views[0])
-                    views.pop(0)
-                if views and done:
-                    views[0] = views[0][done:]
+        views = [memoryview(b) for b in buffers]
+        while views:
+            done = os.pwritev(fd, views[:IOV_MAX], offset)
+            offset += done
+            advance(views, done)
     finally:
         os.close(fd)
 

@@ -11,6 +11,7 @@ from typing import Any, TypedDict
 import torch
 import xxhash
 
+from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
@@ -84,7 +85,6 @@ async def _read_manifest(source: Source) -> fmt.Manifest | None:
 
 
 # Buffers one preadv call may take (Linux: 1024).
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 # Consecutive chunks are read together up to this many bytes: one read and one thread hop
 # per span rather than per chunk (a model has hundreds of small tensors).
@@ -148,17 +148,13 @@ class _Reader:
             buffers = [t.out for t in span]
             position = start
             while buffers:
-                got = os.preadv(fd, buffers[:_IOV_MAX], position)
+                got = os.preadv(fd, buffers[:IOV_MAX], position)
                 if got == 0:
                     raise IntegrityError(
                         f"{self.source.url} ends at byte {position}, before its chunks do"
                     )
                 position += got
-                while buffers and got >= len(buffers[0]):
-                    got -= len(buffers[0])
-                    buffers.pop(0)
-                if buffers and got:
-                    buffers[0] = buffers[0][got:]
+                advance(buffers, got)
             for target in span:
                 self._check(target.out, target)
             return

@@ -372,9 +372,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
         try:
             # A DataLoader uses nothing before it has a whole batch: wait for one per trip
-            # (when it fits in a trip) rather than make several trips for a few items each,
-            # which in a cold epoch cost more CPU than the samples' own handling.
-            least = self._batch if self._batch <= _BATCH else 1
+            # (or a full trip) rather than make several trips for a few items each, which
+            # in a cold epoch cost more CPU than the samples' own handling.
+            least = min(self._batch, _BATCH)
             while True:
                 items = run_sync(session.next_batch(_BATCH, least))
                 if not items:
