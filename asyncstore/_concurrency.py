@@ -1,0 +1,287 @@
+"""Concurrency primitives: one way to do each thing, and when to use it.
+
+Every module of asyncstore starts tasks, runs threads and shields cleanup through this
+module, so that each of these questions has one answer:
+
+- **Cleanup that must not stop halfway** (abort an upload, close a file, return a slab):
+  ``await shield(coro)``. It runs ``coro`` to its end even if the caller is cancelled
+  meanwhile, then re-raises the cancellation.
+- **Waiting for work that others share** (a single-flight fetch, a save handle):
+  ``await wait_shared(task)``. Cancelling the waiter leaves the work running for the others.
+- **Blocking calls** (file I/O, SQLite, compression): ``await to_thread(func, *args)``.
+  If the caller is cancelled it waits for the thread to finish before re-raising, because
+  the thread may hold memory the caller would otherwise reuse or free (a staging slab, a
+  tensor being filled). ``background=True`` runs work that nobody waits for on threads of
+  low priority, so that a training step's threads get the cores first.
+- **Background tasks**: a component owns a :class:`TaskSet`; ``spawn`` starts a named task
+  and tracks it, ``aclose`` cancels and awaits every task still running, and the failure of
+  a task nobody awaits is logged once.
+- **Fork and exit**: :func:`after_fork_in_child` and :func:`at_exit` register hooks in one
+  place, run in an explicit order (:class:`ExitStep`).
+
+Why not anyio's primitives alone: ``anyio.CancelScope(shield=True)`` and
+``anyio.to_thread.run_sync`` protect against anyio's own cancel scopes, but not against a
+plain ``task.cancel()``, which is how asyncio cancels (``asyncio.wait_for``, a cancelled
+``run_coroutine_threadsafe`` future of the sync bridge, ``asyncio.timeout``). Under such a
+cancellation a shielded block is interrupted at its next ``await`` and a worker thread is
+abandoned while it still runs. The primitives here hold under both kinds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import enum
+import functools
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from .errors import StoreClosed
+
+T = TypeVar("T")
+
+__all__ = [
+    "ExitStep",
+    "TaskSet",
+    "after_fork_in_child",
+    "at_exit",
+    "shield",
+    "to_thread",
+    "wait_shared",
+]
+
+logger = logging.getLogger("asyncstore")
+
+# -- cancellation ------------------------------------------------------------------------------
+
+
+async def shield(awaitable: Awaitable[T]) -> T:
+    """Await ``awaitable`` to its end even if this task is cancelled meanwhile, then re-raise
+    the cancellation (once the work is done).
+
+    Use it for cleanup that must not stop halfway. It runs ``awaitable`` in a task of its
+    own; a cancellation that arrives meanwhile, whether from an anyio cancel scope or from
+    ``task.cancel()``, is held back until that task ends.
+    """
+    task = asyncio.ensure_future(awaitable)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as exc:
+            # Re-raised as caught: an anyio cancel scope recognizes its own cancellation.
+            cancelled = exc
+    if cancelled is not None:
+        raise cancelled
+    return task.result()
+
+
+async def wait_shared(future: Awaitable[T]) -> T:
+    """Await work that other callers share (a single-flight fetch, a save in progress).
+
+    Cancelling the waiter cancels only the wait: the work goes on for the others. Use
+    :func:`shield` instead when the waiter itself must not stop before the work ends.
+    """
+    return await asyncio.shield(future)
+
+
+# -- threads -----------------------------------------------------------------------------------
+
+# The niceness of background threads: a training step's threads get the cores whenever they
+# want them; checkpoint uploads and encoding run in what they leave.
+LOW_PRIORITY = 19
+
+# Threads start on demand, up to this many; callers that need a tighter bound pass a limiter
+# (the local store's max_inflight, the cache's disk threads).
+MAX_THREADS = 64
+
+_EXECUTORS: dict[bool, concurrent.futures.ThreadPoolExecutor] = {}
+_EXECUTORS_LOCK = threading.Lock()
+
+
+def _lower_priority() -> None:
+    # Per thread on Linux (a thread id names one thread); elsewhere this is best effort.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY)
+
+
+def _executor(background: bool) -> concurrent.futures.ThreadPoolExecutor:
+    with _EXECUTORS_LOCK:
+        executor = _EXECUTORS.get(background)
+        if executor is None:
+            executor = _EXECUTORS[background] = concurrent.futures.ThreadPoolExecutor(
+                max_workers=MAX_THREADS if not background else max(4, (os.cpu_count() or 1) + 4),
+                thread_name_prefix="asyncstore-background" if background else "asyncstore",
+                initializer=_lower_priority if background else None,
+            )
+        return executor
+
+
+async def to_thread(
+    func: Callable[..., T],
+    *args: Any,
+    limiter: contextlib.AbstractAsyncContextManager[Any] | None = None,
+    background: bool = False,
+) -> T:
+    """Run ``func(*args)`` in a worker thread and return its result.
+
+    If the caller is cancelled, this waits for the thread to finish, then re-raises: the
+    thread may be using memory the caller owns. ``limiter`` (an ``anyio.CapacityLimiter``
+    or ``asyncio.Semaphore``) bounds how many such calls run at once. ``background=True``
+    runs on a thread of low priority (nice 19), for work nobody is waiting for.
+    """
+    async with limiter if limiter is not None else contextlib.nullcontext():
+        future = asyncio.get_running_loop().run_in_executor(
+            _executor(background), functools.partial(func, *args)
+        )
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            while not future.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([future])
+            raise
+
+
+# -- background tasks --------------------------------------------------------------------------
+
+
+class TaskSet:
+    """The background tasks of one component: started named, tracked until they end,
+    cancelled and awaited when the component closes.
+
+    A task started with ``detached=True`` is one nobody awaits (a write batch, a refill): if
+    it fails, the set logs the error once, at ERROR. Other tasks are awaited by whoever
+    started them, who gets their error.
+    """
+
+    def __init__(self, owner: str) -> None:
+        self._owner = owner
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def spawn(
+        self, coro: Coroutine[Any, Any, T], *, name: str, detached: bool = False
+    ) -> asyncio.Task[T]:
+        """Start ``coro`` as a task named ``name`` owned by this set.
+
+        Raises:
+            StoreClosed: the set was closed (its component is closing).
+        """
+        if self._closed:
+            coro.close()
+            raise StoreClosed(f"{self._owner} is closed; no new work is started")
+        task = asyncio.get_running_loop().create_task(coro, name=f"asyncstore: {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._log_failure if detached else self._tasks.discard)
+        return task
+
+    def _log_failure(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()  # retrieved: asyncio does not log it a second time
+        if exc is not None:
+            logger.error(
+                "%s: background task %r failed", self._owner, task.get_name(), exc_info=exc
+            )
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    async def join(self) -> None:
+        """Wait until every task running now has ended (without cancelling any)."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks)
+
+    async def aclose(self) -> None:
+        """Cancel every task still running and wait for all of them to end.
+
+        Idempotent. The set starts no task afterwards. Waiting is shielded: a cancelled
+        close still leaves no task of this set running.
+        """
+        self._closed = True
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await shield(asyncio.wait(tasks))
+
+
+# -- fork and exit -----------------------------------------------------------------------------
+
+
+class ExitStep(enum.IntEnum):
+    """The order of asyncstore's exit hooks, lowest first.
+
+    Pending saves must finish while the background loop still runs, so they come before
+    the loop stops; the threads' pools are shut down last.
+    """
+
+    FINISH_SAVES = 10
+    """``save_async`` saves not yet committed: the interpreter waits for them, as it would
+    for ``torch.save``."""
+    STOP_LOOP = 20
+    """The sync bridge's event loop and its thread."""
+    STOP_THREADS = 30
+    """Worker thread pools."""
+
+
+_EXIT_HOOKS: list[tuple[int, int, Callable[[], None]]] = []
+_FORK_HOOKS: list[tuple[int, Callable[[], None]]] = []
+
+
+def at_exit(step: ExitStep, hook: Callable[[], None]) -> None:
+    """Run ``hook`` at interpreter exit, in the order of ``step`` (hooks of one step in the
+    order they were registered). An exception in one hook is logged; the others still run."""
+    _EXIT_HOOKS.append((int(step), len(_EXIT_HOOKS), hook))
+
+
+def after_fork_in_child(hook: Callable[[], None]) -> None:
+    """Run ``hook`` in a forked child, before anything else of asyncstore runs there.
+
+    Hooks drop what the child did not inherit: the parent's threads, its event loop, locks
+    another thread held at the fork. They run in the order they were registered.
+    """
+    _FORK_HOOKS.append((len(_FORK_HOOKS), hook))
+
+
+def _run_exit_hooks() -> None:
+    for _, _, hook in sorted(_EXIT_HOOKS, key=lambda item: item[:2]):
+        try:
+            hook()
+        except Exception:
+            logger.exception("an asyncstore exit hook failed")
+
+
+def _run_fork_hooks() -> None:
+    for _, hook in _FORK_HOOKS:
+        hook()
+
+
+def _forget_executors() -> None:
+    # The parent's threads do not exist in the child, and a lock held by one is never freed.
+    global _EXECUTORS_LOCK
+    _EXECUTORS.clear()
+    _EXECUTORS_LOCK = threading.Lock()
+
+
+def _stop_executors() -> None:
+    with _EXECUTORS_LOCK:
+        executors = list(_EXECUTORS.values())
+        _EXECUTORS.clear()
+    for executor in executors:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+after_fork_in_child(_forget_executors)
+at_exit(ExitStep.STOP_THREADS, _stop_executors)
+atexit.register(_run_exit_hooks)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_run_fork_hooks)

@@ -1,0 +1,238 @@
+"""The concurrency primitives every module uses: shield, wait_shared, to_thread, TaskSet, and
+the fork and exit hooks."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncstore import _concurrency
+from asyncstore._concurrency import TaskSet, shield, to_thread, wait_shared
+from asyncstore.errors import StoreClosed
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "anyio scope"])
+async def test_shield_runs_cleanup_to_the_end_then_reraises(how: str) -> None:
+    finished = asyncio.Event()
+
+    async def cleanup() -> str:
+        await asyncio.sleep(0.1)
+        finished.set()
+        return "done"
+
+    async def caller() -> str:
+        return await shield(cleanup())
+
+    if how == "task.cancel":
+        task = asyncio.ensure_future(caller())
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with anyio.move_on_after(0.02) as scope:
+            await caller()
+        assert scope.cancelled_caught
+    assert finished.is_set()
+
+
+async def test_shield_returns_the_result_and_raises_the_error() -> None:
+    async def ok() -> int:
+        return 7
+
+    async def bad() -> None:
+        raise ValueError("boom")
+
+    assert await shield(ok()) == 7
+    with pytest.raises(ValueError, match="boom"):
+        await shield(bad())
+
+
+async def test_wait_shared_cancels_the_waiter_not_the_work() -> None:
+    work = asyncio.ensure_future(asyncio.sleep(0.1, result="shared"))
+    waiter = asyncio.ensure_future(wait_shared(work))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not work.cancelled()
+    assert await work == "shared"
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "anyio scope"])
+async def test_to_thread_waits_for_the_thread_when_cancelled(how: str) -> None:
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.2)
+        done.set()
+
+    if how == "task.cancel":
+        task = asyncio.ensure_future(to_thread(slow))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with anyio.move_on_after(0.02):
+            await to_thread(slow)
+    # The memory the thread uses is the caller's again only once the thread is done.
+    assert done.is_set()
+
+
+async def test_to_thread_result_error_limiter_and_priority() -> None:
+    assert await to_thread(sum, [1, 2, 3]) == 6
+    with pytest.raises(ZeroDivisionError):
+        await to_thread(lambda: 1 / 0)
+
+    running = 0
+    most = 0
+    lock = threading.Lock()
+
+    def one() -> None:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+
+    limiter = anyio.CapacityLimiter(2)
+    await asyncio.gather(*(to_thread(one, limiter=limiter) for _ in range(8)))
+    assert most == 2
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert await to_thread(niceness, background=True) == _concurrency.LOW_PRIORITY
+    assert await to_thread(niceness) < _concurrency.LOW_PRIORITY
+
+
+async def test_task_set_close_cancels_and_awaits_every_task() -> None:
+    tasks = TaskSet("test component")
+    ended: list[str] = []
+
+    async def forever(name: str) -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.01)  # cleanup that takes a moment
+            ended.append(name)
+
+    spawned = [tasks.spawn(forever(f"t{i}"), name=f"t{i}") for i in range(3)]
+    await asyncio.sleep(0)
+    assert len(tasks) == 3
+    assert spawned[0].get_name() == "asyncstore: t0"
+    await tasks.aclose()
+    assert sorted(ended) == ["t0", "t1", "t2"]
+    assert all(task.done() for task in spawned)
+    assert len(tasks) == 0
+    await tasks.aclose()  # idempotent
+
+    coro = forever("late")
+    with pytest.raises(StoreClosed, match="test component is closed"):
+        tasks.spawn(coro, name="late")
+    assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # no "never awaited" warning
+
+
+async def test_task_set_logs_a_detached_failure_once(caplog: pytest.LogCaptureFixture) -> None:
+    tasks = TaskSet("the cache")
+
+    async def fail() -> None:
+        raise OSError("disk gone")
+
+    async def fine() -> int:
+        return 1
+
+    with caplog.at_level(logging.ERROR, logger="asyncstore"):
+        tasks.spawn(fail(), name="write batch", detached=True)
+        owned = tasks.spawn(fail(), name="fetch")
+        await tasks.join()
+        assert await tasks.spawn(fine(), name="ok") == 1
+    records = [r for r in caplog.records if "background task" in r.getMessage()]
+    assert len(records) == 1
+    assert "the cache" in records[0].getMessage()
+    assert "write batch" in records[0].getMessage()
+    assert records[0].exc_info is not None
+    # The owner of an awaited task gets its error; the set does not log it.
+    with pytest.raises(OSError, match="disk gone"):
+        await owned
+    await tasks.aclose()
+
+
+def test_exit_hooks_run_in_step_order_and_survive_a_failing_hook() -> None:
+    script = textwrap.dedent(
+        """
+        from asyncstore._concurrency import ExitStep, at_exit
+        at_exit(ExitStep.STOP_THREADS, lambda: print("threads", flush=True))
+        at_exit(ExitStep.STOP_LOOP, lambda: print("loop", flush=True))
+        def broken():
+            raise RuntimeError("hook failed")
+        at_exit(ExitStep.FINISH_SAVES, broken)
+        at_exit(ExitStep.FINISH_SAVES, lambda: print("saves", flush=True))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["saves", "loop", "threads"]
+    assert "hook failed" in out.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork is POSIX only")
+def test_a_forked_child_gets_fresh_thread_pools() -> None:
+    asyncio.run(to_thread(lambda: None))  # the parent's pool exists and has a thread
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through the pipe
+        status = 1
+        try:
+            fresh = not _concurrency._EXECUTORS
+            result = asyncio.run(to_thread(lambda: 41 + 1))
+            os.write(write, f"{fresh} {result}".encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    answer = os.read(read, 100).decode()
+    os.close(read)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert answer == "True 42"
+
+
+def test_a_save_started_with_save_async_commits_at_exit(tmp_path: Path) -> None:
+    # The interpreter waits for a pending save as it would for torch.save: the exit hooks
+    # finish it while the background loop and the worker threads still run.
+    target = tmp_path / "exit.ckpt"
+    script = textwrap.dedent(
+        f"""
+        import torch, asyncstore.torch as at
+        state = {{"w": torch.arange(4_000_000, dtype=torch.float32)}}
+        at.save_async(state, {str(target)!r})
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "waiting for 1 checkpoint save" in out.stderr
+    import torch
+
+    import asyncstore.torch
+
+    loaded = asyncstore.torch.load(str(target))
+    assert torch.equal(loaded["w"], torch.arange(4_000_000, dtype=torch.float32))
