@@ -10,13 +10,13 @@ forgotten in the child and created anew on first use. At interpreter exit the lo
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from ._concurrency import ExitStep, after_fork_in_child, at_exit
 from .errors import AsyncStoreError
 
 T = TypeVar("T")
@@ -94,9 +94,8 @@ class _Bridge:
 
 
 _BRIDGE = _Bridge()
-atexit.register(_BRIDGE.stop)
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_BRIDGE.forget)
+at_exit(ExitStep.STOP_LOOP, _BRIDGE.stop)
+after_fork_in_child(_BRIDGE.forget)
 
 
 def run_sync(coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:

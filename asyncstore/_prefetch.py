@@ -18,8 +18,8 @@ from typing import Literal, Self
 
 import msgspec
 
+from ._concurrency import TaskSet
 from .cache import TieredCache
-from .cache._plan import PlanTier
 from .cache._stats import LatencyWindow
 from .errors import InvalidArgument, StoreClosed
 from .stores._base import Store
@@ -134,7 +134,7 @@ class Prefetcher:
         self._max_bytes = max_bytes
         self._skip = on_error == "skip"
         self._plan_cache: TieredCache | None = None
-        if isinstance(source, TieredCache) and isinstance(source._memory, PlanTier):
+        if isinstance(source, TieredCache) and source.policy == "plan":
             self._plan_cache = source
         self._ahead: deque[str] = deque()  # keys read from the plan, not yet fetched
         # Plan order: each key with its fetch, or with its bytes when they were local already
@@ -143,6 +143,7 @@ class Prefetcher:
         self._want = 0  # items a take() call wants ready at once
         self._inflight = 0  # fetch tasks not finished
         self._refill: asyncio.Future[None] | None = None
+        self._tasks = TaskSet("the Prefetcher")  # fetches and refills
         self._filling = asyncio.Lock()
         self._exhausted = False
         self._ready_bytes = 0
@@ -172,16 +173,12 @@ class Prefetcher:
     async def aclose(self) -> None:
         """Stop every fetch in flight and drop what was fetched ahead; closing twice is fine."""
         self._state = "closed"
-        refill, self._refill = self._refill, None
-        if refill is not None and not refill.done():
-            refill.cancel()
-            await asyncio.gather(refill, return_exceptions=True)
+        self._refill = None
         window, self._window = self._window, deque()
-        tasks = [task for _, task in window if isinstance(task, asyncio.Future)]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await self._tasks.aclose()
+        for _, item in window:
+            if isinstance(item, asyncio.Future) and item.done() and not item.cancelled():
+                item.exception()  # fetched but never taken: its error is moot now
         self._inflight = 0
         self._ahead.clear()
         self._ready_bytes = 0
@@ -272,7 +269,7 @@ class Prefetcher:
         # Keep the window full while the consumer works on what it got: without this, new
         # fetches (and reads of already-local items) would start only at its next call.
         if self._refill is None or self._refill.done():
-            self._refill = asyncio.ensure_future(self._fill())
+            self._refill = self._tasks.spawn(self._fill(), name="prefetch refill", detached=True)
 
     async def _fill(self) -> None:
         async with self._filling:  # one filler at a time: the consumer or the refill task
@@ -303,7 +300,7 @@ class Prefetcher:
                 self._window.append((key, data))
                 continue
             self._inflight += 1
-            self._window.append((key, asyncio.ensure_future(self._fetch(key))))
+            self._window.append((key, self._tasks.spawn(self._fetch(key), name="prefetch")))
 
     def _warm(self, key: str) -> bytes | None:
         if isinstance(self._source, TieredCache):
@@ -387,13 +384,6 @@ class Prefetcher:
         if self._state == "open":
             self._refill_soon()
         return items
-
-    def head_ready(self) -> bool:
-        """Whether the next item can be yielded without waiting."""
-        if not self._window:
-            return False
-        head = self._window[0][1]
-        return not isinstance(head, asyncio.Future) or head.done()
 
     # -- stats -------------------------------------------------------------------------------
 

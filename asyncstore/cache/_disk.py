@@ -69,6 +69,7 @@ from pathlib import Path
 
 import xxhash
 
+from .._concurrency import after_fork_in_child
 from .._flock import try_lock
 from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError
@@ -746,8 +747,7 @@ def _forget_locks() -> None:
         tier._forget_lock()
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_locks)
+after_fork_in_child(_forget_locks)
 
 
 def _append(path: str, offset: int, buffers: list[bytes]) -> None:

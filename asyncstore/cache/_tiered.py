@@ -23,8 +23,8 @@ from types import TracebackType
 from typing import Any, Literal, Self, TypeVar
 
 import anyio
-import anyio.to_thread
 
+from .._concurrency import TaskSet, shield, to_thread, wait_shared
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
@@ -175,7 +175,7 @@ class TieredCache:
         self._block = block_bytes
         self._limiter = anyio.CapacityLimiter(DISK_THREADS)
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(f"the cache over {store.url}")
         self._flushing = False
         self._writing = False
         self._write_task: asyncio.Future[None] | None = None
@@ -195,6 +195,11 @@ class TieredCache:
         self._store_stats = StoreFetchStats()
         self._latency = LatencyWindow()
         self._state = "new"
+
+    @property
+    def policy(self) -> Literal["lru", "plan"]:
+        """The memory tier's eviction policy, ``"lru"`` or ``"plan"``."""
+        return self._policy
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -220,7 +225,7 @@ class TieredCache:
             directory, budget = self._disk_dir, self._disk_bytes
             identity = self._store.identity
             try:
-                self._disk = await anyio.to_thread.run_sync(DiskTier, directory, budget, identity)
+                self._disk = await to_thread(DiskTier, directory, budget, identity)
             except (OSError, sqlite3.Error) as exc:
                 self._disable_disk(exc)
 
@@ -233,13 +238,15 @@ class TieredCache:
         # Let fetches and disk writes finish: a cancelled write would only waste the fetch,
         # and every task is bounded by the store's own timeouts. A finishing fetch may queue
         # a write task: wait until none is left.
-        with anyio.CancelScope(shield=True):
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await shield(self._drain())
         disk, self._disk = self._disk, None
         if disk is not None:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(disk.close, limiter=self._limiter)
+            await shield(to_thread(disk.close, limiter=self._limiter))
+
+    async def _drain(self) -> None:
+        while self._tasks:
+            await self._tasks.join()
+        await self._tasks.aclose()
 
     def __del__(self) -> None:
         if getattr(self, "_state", "closed") == "open" and getattr(self, "_disk", None):
@@ -377,10 +384,10 @@ class TieredCache:
         if future is None:
             future = asyncio.get_running_loop().create_future()
             self._inflight[cache_key] = future
-            self._background(self._fill(cache_key, key, load, future, keep_empty))
-        # shield: a caller cancelled while waiting must not cancel the fetch other callers
-        # (or the cache) are waiting on.
-        return await asyncio.shield(future)
+            self._background(self._fill(cache_key, key, load, future, keep_empty), "fetch")
+        # A caller cancelled while waiting must not cancel the fetch other callers (or the
+        # cache) are waiting on.
+        return await wait_shared(future)
 
     async def _fill(
         self,
@@ -505,7 +512,7 @@ class TieredCache:
         hit = disk.read_cached(cache_key)
         if disk.touches_pending >= TOUCH_BATCH and not self._flushing:
             self._flushing = True
-            self._background(self._flush_touches(disk))
+            self._background(self._flush_touches(disk), "flush access times")
         return hit
 
     def _promote(self, cache_key: str, data: bytes) -> bytes:
@@ -527,7 +534,7 @@ class TieredCache:
             self._batch_full.set()
         if not self._writing:
             self._writing = True
-            self._write_task = self._background(self._write_pending())
+            self._write_task = self._background(self._write_pending(), "disk writes")
 
     async def _write_pending(self) -> None:
         try:
@@ -557,11 +564,10 @@ class TieredCache:
         finally:
             self._flushing = False
 
-    def _background(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+    def _background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        # Nobody awaits these tasks: a fetch hands its result to a future, writes and
+        # flushes report through the tier's stats. aclose() waits for all of them.
+        return self._tasks.spawn(coro, name=name, detached=True)
 
     async def _settle_writes(self) -> None:
         # A batch already handed to the disk thread lands whatever we do: wait for it, so
@@ -572,7 +578,7 @@ class TieredCache:
 
     async def _disk_call(self, func: Callable[..., T], *args: object) -> T | None:
         try:
-            return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+            return await to_thread(func, *args, limiter=self._limiter)
         except IntegrityError as exc:
             self._disk_stats.corrupt += 1
             logger.warning("dropped a damaged disk cache entry: %s", exc)
@@ -597,15 +603,14 @@ class TieredCache:
         if disk is not None:
             # Closing waits for the index lock, which a worker thread may hold for a while:
             # never on the event loop.
-            self._background(self._close_disk(disk))
+            self._background(self._close_disk(disk), "close the disk tier")
 
     async def _close_disk(self, disk: DiskTier) -> None:
         def close() -> None:
             with contextlib.suppress(OSError, sqlite3.Error):
                 disk.close()
 
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(close)
+        await shield(to_thread(close))
 
     # -- management --------------------------------------------------------------------------
 
