@@ -32,13 +32,14 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook must be registered before ours
 import contextlib
 import enum
 import functools
 import logging
 import os
 import threading
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .errors import StoreClosed
@@ -50,6 +51,7 @@ __all__ = [
     "TaskSet",
     "after_fork_in_child",
     "at_exit",
+    "forget_errors",
     "shield",
     "to_thread",
     "wait_shared",
@@ -214,6 +216,14 @@ class TaskSet:
             await shield(asyncio.wait(tasks))
 
 
+def forget_errors(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Mark the errors of these finished tasks as seen: their owner is closing and nobody
+    will read them, so asyncio must not log them as never retrieved."""
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()
+
+
 # -- fork and exit -----------------------------------------------------------------------------
 
 
@@ -282,6 +292,15 @@ def _stop_executors() -> None:
 
 after_fork_in_child(_forget_executors)
 at_exit(ExitStep.STOP_THREADS, _stop_executors)
-atexit.register(_run_exit_hooks)
+# Before Python's own thread-pool shutdown, not after: at interpreter exit, concurrent.futures
+# stops its pools (each refuses new work from then on) before the atexit module's handlers
+# run, so a pending save waited for there could not start one more thread and failed. Hooks
+# registered with threading run in reverse order of registration: after the pools' hook,
+# which is registered when concurrent.futures.thread is first imported (done above).
+_register_early = getattr(threading, "_register_atexit", None)
+if _register_early is not None:
+    _register_early(_run_exit_hooks)
+else:  # pragma: no cover - other interpreters
+    atexit.register(_run_exit_hooks)
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_run_fork_hooks)

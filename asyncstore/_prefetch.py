@@ -18,7 +18,7 @@ from typing import Literal, Self
 
 import msgspec
 
-from ._concurrency import TaskSet
+from ._concurrency import TaskSet, forget_errors
 from .cache import TieredCache
 from .cache._stats import LatencyWindow
 from .errors import InvalidArgument, StoreClosed
@@ -176,9 +176,7 @@ class Prefetcher:
         self._refill = None
         window, self._window = self._window, deque()
         await self._tasks.aclose()
-        for _, item in window:
-            if isinstance(item, asyncio.Future) and item.done() and not item.cancelled():
-                item.exception()  # fetched but never taken: its error is moot now
+        forget_errors(item for _, item in window if isinstance(item, asyncio.Future))
         self._inflight = 0
         self._ahead.clear()
         self._ready_bytes = 0

@@ -216,23 +216,30 @@ def test_a_forked_child_gets_fresh_thread_pools() -> None:
 
 def test_a_save_started_with_save_async_commits_at_exit(tmp_path: Path) -> None:
     # The interpreter waits for a pending save as it would for torch.save: the exit hooks
-    # finish it while the background loop and the worker threads still run.
+    # finish it while the background loop and the worker threads still run. The state is
+    # large enough for the save to be still running at exit (the log line says it was).
     target = tmp_path / "exit.ckpt"
     script = textwrap.dedent(
         f"""
         import torch, asyncstore.torch as at
-        state = {{"w": torch.arange(4_000_000, dtype=torch.float32)}}
+        torch.manual_seed(0)
+        state = {{f"w{{i}}": torch.randn(10_000_000) for i in range(4)}}
         at.save_async(state, {str(target)!r})
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
     )
     assert out.returncode == 0, out.stderr
     assert "waiting for 1 checkpoint save" in out.stderr
+    assert "failed" not in out.stderr
     import torch
 
     import asyncstore.torch
 
+    torch.manual_seed(0)
+    expected = {f"w{i}": torch.randn(10_000_000) for i in range(4)}
     loaded = asyncstore.torch.load(str(target))
-    assert torch.equal(loaded["w"], torch.arange(4_000_000, dtype=torch.float32))
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(loaded[name], tensor)

@@ -16,6 +16,7 @@ from typing import Protocol, Self, runtime_checkable
 import anyio
 import msgspec
 
+from .._concurrency import shield
 from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._keys import check_key, check_prefix, check_range
 
@@ -432,13 +433,13 @@ class BaseWriter(abc.ABC):
             # The owner closed the store while this writer was open: closing means "done with
             # it", so nothing may appear under the key afterwards.
             self._state = "aborted"
-            await self._shielded_abort()
+            await self.abort_now()
             if exc_type is None:
                 raise self._store_closed()
             return
         if exc_type is None and self._failure is not None:
             self._state = "aborted"
-            await self._shielded_abort()
+            await self.abort_now()
             raise StoreError(
                 f"nothing was written to {self._store.where(self._key)}: an earlier write "
                 f"failed ({type(self._failure).__name__}: {self._failure})"
@@ -448,12 +449,12 @@ class BaseWriter(abc.ABC):
                 self._info = await self._commit()
             except BaseException:
                 self._state = "aborted"
-                await self._shielded_abort()
+                await self.abort_now()
                 raise
             self._state = "committed"
         else:
             self._state = "aborted"
-            await self._shielded_abort()
+            await self.abort_now()
 
     def _store_closed(self) -> StoreClosed:
         return StoreClosed(
@@ -461,10 +462,17 @@ class BaseWriter(abc.ABC):
             "while the writer was open; close the store only after its writers"
         )
 
-    async def _shielded_abort(self) -> None:
-        # Shielded so that cancellation, the usual reason for an abort, cannot stop the
-        # cleanup halfway and leave a temp file or an unfinished multipart upload behind.
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CLEANUP_TIMEOUT):
+    async def abort_now(self) -> None:
+        """Remove every trace of this write (temp file, unfinished multipart upload), within
+        ``CLEANUP_TIMEOUT`` seconds; the writer's block then commits nothing.
+
+        Shielded: cancellation, the usual reason for an abort, cannot stop the cleanup
+        halfway. Harmless on a writer already clean.
+        """
+        await shield(self._bounded_abort())
+
+    async def _bounded_abort(self) -> None:
+        with anyio.move_on_after(CLEANUP_TIMEOUT):
             await self._abort()
 
     async def _begin(self) -> None:  # noqa: B027 - optional hook, empty by default
@@ -541,8 +549,7 @@ class BaseReader(abc.ABC):
         was_open = self._state == "open"
         self._state = "closed"
         if was_open:
-            with anyio.CancelScope(shield=True):
-                await self._close()
+            await shield(self._close())
 
     def __del__(self) -> None:
         if getattr(self, "_state", "closed") == "open":

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import IO, Annotated, TypeVar
 
 import anyio
-import anyio.to_thread
 import msgspec
 
+from .._concurrency import to_thread
 from .._flock import try_lock
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
@@ -81,7 +81,7 @@ class LocalStore(BaseStore):
     async def _run(self, key: str, doing: str, func: Callable[..., T], *args: object) -> T:
         """Run ``func`` in a worker thread, translating ``OSError`` into asyncstore errors."""
         try:
-            return await anyio.to_thread.run_sync(func, *args, limiter=self._limiter)
+            return await to_thread(func, *args, limiter=self._limiter)
         except AsyncStoreError:
             raise  # already translated (PermissionDenied is an OSError too)
         except OSError as exc:

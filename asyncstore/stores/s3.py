@@ -30,6 +30,7 @@ import anyio
 import msgspec
 from botocore import exceptions as bex
 
+from .._concurrency import TaskSet, forget_errors, shield, wait_shared
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from . import _redact
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
@@ -434,22 +435,24 @@ class S3Store(BaseStore):
     async def _aclose(self) -> None:
         # Under the lock: a client being created right now is finished first and closed here;
         # one requested after this point is refused, as the store is already marked closed.
-        with anyio.CancelScope(shield=True):
-            # A writer left open would otherwise keep its multipart upload (and its stored
-            # parts) forever: with the client gone, its own abort could not reach S3.
-            for writer in list(self._writers):
-                await writer._shielded_abort()
-            async with self._client_lock:
-                cm, self._client, self._client_cm = self._client_cm, None, None
-                fast, self._fast = self._fast, None
-                if self._client_loop is not asyncio.get_running_loop():
-                    # Closed from another loop: the connections cannot be closed from here
-                    # (their loop is usually closed already); drop them.
-                    return
-                if fast is not None:
-                    await fast.aclose()
-                if cm is not None:
-                    await cm.__aexit__(None, None, None)
+        await shield(self._close_client())
+
+    async def _close_client(self) -> None:
+        # A writer left open would otherwise keep its multipart upload (and its stored parts)
+        # forever: with the client gone, its own abort could not reach S3.
+        for writer in list(self._writers):
+            await writer.abort_now()
+        async with self._client_lock:
+            cm, self._client, self._client_cm = self._client_cm, None, None
+            fast, self._fast = self._fast, None
+            if self._client_loop is not asyncio.get_running_loop():
+                # Closed from another loop: the connections cannot be closed from here
+                # (their loop is usually closed already); drop them.
+                return
+            if fast is not None:
+                await fast.aclose()
+            if cm is not None:
+                await cm.__aexit__(None, None, None)
 
     def __del__(self) -> None:
         if getattr(self, "_client", None) is not None:
@@ -638,8 +641,7 @@ class S3Store(BaseStore):
         if len(data) > self._config.part_size:
             writer = _S3Writer(self, key)
             async with writer:
-                await writer._write(data, copy=False)
-                writer._written = len(data)
+                await writer.write_in_place(data)
             assert writer.info is not None
             return writer.info
         body = _bytes(data)
@@ -785,9 +787,16 @@ class _S3Writer(BaseWriter):
         # copy, so each byte is copied once on its way to the socket (into this buffer).
         self._buffer = io.BytesIO()
         self._upload_id: str | None = None
-        self._tasks: list[asyncio.Task[dict[str, Any]]] = []
+        self._uploads = TaskSet(f"the upload of {store.where(key)}")
+        self._parts: list[asyncio.Task[dict[str, Any]]] = []  # in part order
         self._creating: asyncio.Future[str] | None = None
         self._next_part = 1
+
+    async def write_in_place(self, data: memoryview) -> None:
+        """Write all of an in-memory object, each part a slice of ``data`` (no copy into the
+        part buffer): ``data`` must stay unchanged until the writer commits."""
+        await self._write(data, copy=False)
+        self._written += len(data)
 
     def _part_size(self) -> int:
         # Grow parts every 1000 so that 10,000 parts reach 55,000 x part_size (880 GiB at
@@ -821,11 +830,11 @@ class _S3Writer(BaseWriter):
         # Back-pressure: wait for the oldest part when the window is full, so memory stays
         # bounded and an upload failure surfaces at the next write, not only at the end.
         limit = self._store.config.upload_concurrency
-        while sum(not t.done() for t in self._tasks) >= limit:
+        while sum(not t.done() for t in self._parts) >= limit:
             await asyncio.wait(
-                [t for t in self._tasks if not t.done()], return_when=asyncio.FIRST_COMPLETED
+                [t for t in self._parts if not t.done()], return_when=asyncio.FIRST_COMPLETED
             )
-        for task in self._tasks:
+        for task in self._parts:
             if task.done() and task.exception() is not None:
                 raise task.exception()  # type: ignore[misc]
         number = self._next_part
@@ -835,7 +844,9 @@ class _S3Writer(BaseWriter):
                 f"{self._store.where(self._key)}: more than {_MAX_PARTS} parts; "
                 "open the store with a larger part_size"
             )
-        self._tasks.append(asyncio.ensure_future(self._upload_part(number, part)))
+        self._parts.append(
+            self._uploads.spawn(self._upload_part(number, part), name=f"upload part {number}")
+        )
 
     async def _create(self) -> str:
         async def attempt(client: Any) -> str:
@@ -844,12 +855,12 @@ class _S3Writer(BaseWriter):
             )
             return str(resp["UploadId"])
 
-        # In a task of its own, shielded: once the request is sent, only its answer says which
-        # upload to abort, so a cancellation must not drop that answer. _abort() waits for it.
-        self._creating = asyncio.ensure_future(
-            self._store._call(self._key, "start upload", attempt)
+        # In a task of its own, shared with _abort(): once the request is sent, only its answer
+        # says which upload to abort, so a cancellation must not drop that answer.
+        self._creating = self._uploads.spawn(
+            self._store._call(self._key, "start upload", attempt), name="start upload"
         )
-        upload_id = await asyncio.shield(self._creating)
+        upload_id = await wait_shared(self._creating)
         self._creating = None
         return upload_id
 
@@ -889,7 +900,7 @@ class _S3Writer(BaseWriter):
             return await self._store._put(self._key, memoryview(self._take_buffer()))
         if self._buffer.tell():
             await self._send(self._take_buffer())
-        parts = [await task for task in self._tasks]
+        parts = [await task for task in self._parts]
         upload_id = self._upload_id
 
         async def attempt(client: Any) -> dict[str, Any]:
@@ -910,20 +921,18 @@ class _S3Writer(BaseWriter):
         return msgspec.structs.replace(info, mtime=time.time())
 
     async def _abort(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                await task
-        self._tasks.clear()
         self._buffer = io.BytesIO()
         creating, self._creating = self._creating, None
         if creating is not None and self._upload_id is None:
-            # Cancelled while CreateMultipartUpload was in flight: learn the id to abort it.
+            # Cancelled while CreateMultipartUpload was in flight (no part was sent yet):
+            # learn the id to abort it.
             try:
                 self._upload_id = await creating
             except BaseException:
                 creating.cancel()  # failed (no upload), or our own cleanup timed out
+        await self._uploads.aclose()  # part uploads stop; their errors no longer matter
+        forget_errors(self._parts)
+        self._parts.clear()
         upload_id, self._upload_id = self._upload_id, None
         if upload_id is None:
             return

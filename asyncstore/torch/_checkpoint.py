@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import atexit
 import concurrent.futures
 import logging
 from typing import Any, Unpack
 
+from .._concurrency import ExitStep, at_exit
+from .._concurrency import ExitStep, at_exit
 from .._loop import bridge_loop, run_sync
 from ..checkpoint import SaveResult
 from ..checkpoint import load as _load
@@ -36,7 +37,7 @@ def _finish_pending() -> None:
             logger.exception("a checkpoint save failed at exit")
 
 
-atexit.register(_finish_pending)  # after the bridge's own: runs before it stops the loop
+at_exit(ExitStep.FINISH_SAVES, _finish_pending)
 
 
 def _check_options(options: dict[str, Any], allowed: frozenset[str], func: str) -> None:
@@ -61,7 +62,8 @@ def save(obj: Any, f: Any, **options: Unpack[SaveOptions]) -> SaveResult:
     or a URL (``"s3://bucket/run/step-100.ckpt"``, ``"file:///…"``). A path or URL is
     written atomically: it holds the old checkpoint (or nothing) until the new one is
     complete. Options (``compression``, ``level``, ``chunk_bytes``, ``staging_bytes``,
-    ``exclude``, ``metadata``, ``store_options``) as for :func:`asyncstore.save`.
+    ``exclude``, ``metadata``, ``store_options``, ``priority``) as for
+    :func:`asyncstore.save`.
     """
     _check_options(dict(options), SaveOptions.__optional_keys__, "save")
     return run_sync(_save_and_wait(obj, f, options))
