@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import multiprocessing
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -24,6 +23,7 @@ from ..errors import InvalidArgument, InvalidKey
 from ..stores import LocalStore, S3Store, Store, open_store
 from ..stores._keys import check_key
 from ._order import EpochOrder
+from ._shard import check_resume, per_rank
 
 T = TypeVar("T")
 
@@ -272,7 +272,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def __len__(self) -> int:
         """Samples per epoch for this rank (padded: equal across ranks)."""
         _, world = self._shard()
-        return math.ceil(len(self._keys) / world)
+        return per_rank(len(self._keys), world)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration follows."""
@@ -346,10 +346,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             raise InvalidArgument(
                 f"state {state!r}: epoch and consumed must be >= 0; pass what state_dict() returned"
             )
-        if consumed % self._batch:
-            raise InvalidArgument(
-                f"consumed={consumed} is not a multiple of batch_size={self._batch}"
-            )
+        check_resume(consumed, self._batch)
         self._position[0], self._position[1] = epoch, consumed
 
     # -- iteration ---------------------------------------------------------------------------

@@ -17,11 +17,12 @@ the same order from the same seed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 import xxhash
+
+from . import _shard
 
 __all__ = ["EpochOrder"]
 
@@ -43,9 +44,8 @@ class EpochOrder:
     Args:
         count: samples in the dataset (at least 1, below ``2**62``).
         seed, epoch: the permutation's key; ``shuffle=False`` keeps the dataset's order.
-        rank, world: this process's shard. Each rank gets ``ceil(count / world)``
-            positions: rank ``r`` takes global positions ``r, r + world, ...``, and those
-            past the end wrap to the start of the epoch's order (padding, for equal steps).
+        rank, world: this process's shard, split as :mod:`._shard` says: each rank gets
+            ``ceil(count / world)`` positions, padded from the start of the epoch's order.
     """
 
     def __init__(
@@ -53,7 +53,7 @@ class EpochOrder:
     ) -> None:
         self.count = count
         self.rank, self.world = rank, world
-        self.per_rank = math.ceil(count / world)
+        self.per_rank = _shard.per_rank(count, world)
         self._shuffle = shuffle and count > 1
         bits = max(2, (count - 1).bit_length())
         self._low_bits = bits - bits // 2
@@ -106,7 +106,10 @@ class EpochOrder:
     def rank_indices(self, start: int, stop: int) -> torch.Tensor:
         """Dataset indices at positions ``start:stop`` of this rank's part of the epoch."""
         local = torch.arange(start, min(stop, self.per_rank), dtype=torch.int64)
-        return self.permute((self.rank + local * self.world) % self.count)
+        return self.permute(self._global(local))
+
+    def _global(self, local: torch.Tensor) -> torch.Tensor:
+        return _shard.global_position(local, count=self.count, rank=self.rank, world=self.world)
 
     def slices(
         self, skip: int = 0, batch: int = 1, worker: int = 0, workers: int = 1
@@ -114,11 +117,15 @@ class EpochOrder:
         """This rank's dataset indices from position ``skip`` on, for one of ``workers``
         taking whole batches of ``batch`` in turn (as the DataLoader asks its workers), in
         lists of about :data:`SLICE` indices."""
-        span = batch * workers
-        step = max(1, SLICE // span) * span  # whole rounds of batches per slice
-        within = torch.arange(batch, dtype=torch.int64)
-        for first in range(skip + worker * batch, self.per_rank, step):
-            starts = torch.arange(first, min(first + step, self.per_rank), span)
-            local = (starts[:, None] + within).flatten()
-            local = local[local < self.per_rank]  # a last, shorter batch
-            yield self.permute((self.rank + local * self.world) % self.count).tolist()
+        groups = _shard.worker_batches(
+            self.per_rank, skip=skip, batch=batch, worker=worker, workers=workers, size=SLICE
+        )
+        for group in groups:
+            local = torch.cat([_local_positions(batches) for batches in group])
+            yield self.permute(self._global(local)).tolist()
+
+
+def _local_positions(batches: _shard.Batches) -> torch.Tensor:
+    # Batches.positions(), as one tensor operation rather than a Python int per position.
+    starts = torch.arange(batches.starts.start, batches.starts.stop, batches.starts.step)
+    return (starts[:, None] + torch.arange(batches.length)).flatten()
