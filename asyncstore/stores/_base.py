@@ -8,15 +8,15 @@ ranges, closed stores) identical across stores and out of each implementation.
 from __future__ import annotations
 
 import abc
-import warnings
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Protocol, Self, runtime_checkable
+from typing import Literal, Protocol, Self, runtime_checkable
 
 import anyio
 import msgspec
 
 from .._concurrency import shield
+from .._resource import AsyncResource
 from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._keys import check_key, check_prefix, check_range
 
@@ -229,12 +229,18 @@ class Store(Protocol):
     ) -> None: ...
 
 
-class BaseStore(abc.ABC):
-    """Shared half of every store: argument checks, closing, context management."""
+class BaseStore(AsyncResource, abc.ABC):
+    """Shared half of every store: argument checks, closing, context management.
+
+    A store may be used without ``async with``: its first call opens it (connections are
+    made lazily), and :meth:`aclose` releases what it opened.
+    """
+
+    _reopen_hint = "open a new store with open_store()"
+    _unclosed_hint = "use 'async with open_store(...)' or await aclose()"
 
     def __init__(self, url: str) -> None:
         self._url = url.rstrip("/")
-        self._closed = False
 
     @property
     def url(self) -> str:
@@ -253,9 +259,16 @@ class BaseStore(abc.ABC):
         """The full URL of ``key``, for messages."""
         return f"{self._url}/{key}"
 
+    def _resource_name(self) -> str:
+        return self._url
+
+    def _holds_resources(self) -> bool:
+        return False  # stores that hold connections say so
+
     def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosed(f"{self._url} is closed; open a new store with open_store()")
+        if self._state != "open":
+            super()._check_open()
+            self._state = "open"  # used without 'async with': aclose() still releases it
 
     # -- public API: validate, then delegate -------------------------------------------------
 
@@ -309,33 +322,14 @@ class BaseStore(abc.ABC):
             )
         return self._open_reader(key, chunk_size)
 
-    async def aclose(self) -> None:
-        """See :meth:`Store.aclose`. Closing twice is harmless."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._aclose()
-
     async def __aenter__(self) -> Self:
-        self._check_open()
-        await self._aopen()
+        if self._state == "closed":
+            raise self._closed_error()
+        await self._on_open()  # connections eagerly, even if the store was used already
+        self._state = "open"
         return self
 
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     # -- what each store implements ----------------------------------------------------------
-
-    async def _aopen(self) -> None:  # noqa: B027 - optional hook, empty by default
-        """Open connections eagerly; stores that open lazily need nothing here."""
-
-    async def _aclose(self) -> None:  # noqa: B027 - optional hook, empty by default
-        """Release connections."""
 
     @abc.abstractmethod
     async def _get(self, key: str, start: int, end: int | None) -> bytes: ...
@@ -359,14 +353,18 @@ class BaseStore(abc.ABC):
     def _open_reader(self, key: str, chunk_size: int) -> BaseReader: ...
 
 
-class BaseWriter(abc.ABC):
-    """Shared half of every writer: state checks and commit-or-abort on exit."""
+class BaseWriter(AsyncResource, abc.ABC):
+    """Shared half of every writer: state checks and commit-or-abort on exit.
+
+    A writer is used once: ``new`` → ``open`` (its ``async with`` block) → ``closed``, either
+    committed or aborted.
+    """
 
     def __init__(self, store: BaseStore, key: str) -> None:
         self._store = store
         self._key = key
         self._written = 0
-        self._state = "new"  # new -> open -> committed | aborted
+        self._outcome: Literal["committed", "aborted"] | None = None
         self._info: ObjectInfo | None = None
         self._failure: BaseException | None = None
 
@@ -386,15 +384,38 @@ class BaseWriter(abc.ABC):
         return self._info
 
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self._store.where(self._key)} {self._state}>"
+        return f"<{type(self).__name__} {self._store.where(self._key)} {self._status()}>"
+
+    def _status(self) -> str:
+        return self._outcome or self._state
+
+    def _resource_name(self) -> str:
+        return f"writer for {self._store.where(self._key)}"
 
     async def __aenter__(self) -> Self:
         if self._state != "new":
-            raise StoreClosed(f"writer for {self._store.where(self._key)} was already used")
+            raise StoreClosed(f"{self._resource_name()} was already used")
         self._store._check_open()
         self._state = "open"
-        await self._begin()
+        try:
+            await self._begin()
+        except BaseException:
+            self._finish("aborted")
+            await self.abort_now()
+            raise
         return self
+
+    def _finish(self, outcome: Literal["committed", "aborted"]) -> None:
+        self._state, self._outcome = "closed", outcome
+
+    async def aclose(self) -> None:
+        """Discard the write if its block is still open (nothing is committed under the key);
+        harmless once the block has ended."""
+        if self._state == "open":
+            self._finish("aborted")
+            await self.abort_now()
+        elif self._state == "new":
+            self._state = "closed"
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data``; the caller may reuse the buffer once this returns.
@@ -405,10 +426,9 @@ class BaseWriter(abc.ABC):
         """
         if self._state != "open":
             raise StoreClosed(
-                f"writer for {self._store.where(self._key)} is {self._state}; "
-                "write inside its 'async with' block"
+                f"{self._resource_name()} is {self._status()}; write inside its 'async with' block"
             )
-        if self._store._closed:
+        if self._store.closed:
             raise self._store_closed()
         view = as_buffer(data, self._store.where(self._key))
         if len(view):
@@ -429,16 +449,16 @@ class BaseWriter(abc.ABC):
     ) -> None:
         if self._state != "open":
             return
-        if self._store._closed:
+        if self._store.closed:
             # The owner closed the store while this writer was open: closing means "done with
             # it", so nothing may appear under the key afterwards.
-            self._state = "aborted"
+            self._finish("aborted")
             await self.abort_now()
             if exc_type is None:
                 raise self._store_closed()
             return
         if exc_type is None and self._failure is not None:
-            self._state = "aborted"
+            self._finish("aborted")
             await self.abort_now()
             raise StoreError(
                 f"nothing was written to {self._store.where(self._key)}: an earlier write "
@@ -448,12 +468,12 @@ class BaseWriter(abc.ABC):
             try:
                 self._info = await self._commit()
             except BaseException:
-                self._state = "aborted"
+                self._finish("aborted")
                 await self.abort_now()
                 raise
-            self._state = "committed"
+            self._finish("committed")
         else:
-            self._state = "aborted"
+            self._finish("aborted")
             await self.abort_now()
 
     def _store_closed(self) -> StoreClosed:
@@ -475,7 +495,7 @@ class BaseWriter(abc.ABC):
         with anyio.move_on_after(CLEANUP_TIMEOUT):
             await self._abort()
 
-    async def _begin(self) -> None:  # noqa: B027 - optional hook, empty by default
+    async def _begin(self) -> None:
         """Prepare the write (open a temp file, …)."""
 
     @abc.abstractmethod
@@ -489,14 +509,16 @@ class BaseWriter(abc.ABC):
         """Remove every trace of the write; must not raise for an already-clean state."""
 
 
-class BaseReader(abc.ABC):
+class BaseReader(AsyncResource, abc.ABC):
     """Shared half of every reader: lazy open, iteration, idempotent close."""
+
+    _reopen_hint = "open a new reader with open_reader()"
+    _unclosed_hint = "use it in 'async with' or iterate it to the end"
 
     def __init__(self, store: BaseStore, key: str, chunk_size: int) -> None:
         self._store = store
         self._key = key
         self._chunk_size = chunk_size
-        self._state = "new"  # new -> open -> closed
         self._info: ObjectInfo | None = None
 
     @property
@@ -507,25 +529,12 @@ class BaseReader(abc.ABC):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._store.where(self._key)} {self._state}>"
 
-    async def _ensure_open(self) -> None:
-        if self._state == "new":
-            self._store._check_open()
-            self._info = await self._open()
-            self._state = "open"
-        elif self._state == "closed":
-            raise StoreClosed(f"reader for {self._store.where(self._key)} is closed")
+    def _resource_name(self) -> str:
+        return f"reader for {self._store.where(self._key)}"
 
-    async def __aenter__(self) -> Self:
-        await self._ensure_open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
+    async def _on_open(self) -> None:
+        self._store._check_open()
+        self._info = await self._open()
 
     def __aiter__(self) -> Self:
         return self
@@ -542,24 +551,6 @@ class BaseReader(abc.ABC):
             raise StopAsyncIteration
         return chunk
 
-    async def aclose(self) -> None:
-        """Release the connection or file; closing twice is harmless."""
-        if self._state == "closed":
-            return
-        was_open = self._state == "open"
-        self._state = "closed"
-        if was_open:
-            await shield(self._close())
-
-    def __del__(self) -> None:
-        if getattr(self, "_state", "closed") == "open":
-            warnings.warn(
-                f"reader for {self._store.where(self._key)} was not closed; use it in "
-                "'async with' or iterate it to the end",
-                ResourceWarning,
-                stacklevel=1,
-            )
-
     @abc.abstractmethod
     async def _open(self) -> ObjectInfo: ...
 
@@ -567,5 +558,5 @@ class BaseReader(abc.ABC):
     async def _read(self, size: int) -> bytes:
         """Return up to ``size`` bytes (exactly ``size`` unless at the end), ``b""`` at the end."""
 
-    async def _close(self) -> None:  # noqa: B027 - optional hook, empty by default
+    async def _on_close(self) -> None:
         """Release the file or connection."""

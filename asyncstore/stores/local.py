@@ -593,7 +593,7 @@ class _LocalReader(BaseReader):
     async def _read(self, size: int) -> bytes:
         return await self._store._run(self._key, "read", self._read_sync, size)
 
-    async def _close(self) -> None:
+    async def _on_close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

@@ -160,5 +160,5 @@ class _MemoryReader(BaseReader):
         self._offset += len(chunk)
         return chunk
 
-    async def _close(self) -> None:
+    async def _on_close(self) -> None:
         self._data = b""

@@ -20,7 +20,6 @@ import logging
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, Literal, TypeVar
@@ -30,7 +29,7 @@ import anyio
 import msgspec
 from botocore import exceptions as bex
 
-from .._concurrency import TaskSet, forget_errors, shield, wait_shared
+from .._concurrency import TaskSet, forget_errors, wait_shared
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from . import _redact
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
@@ -361,7 +360,7 @@ class S3Store(BaseStore):
 
     # -- client ------------------------------------------------------------------------------
 
-    async def _aopen(self) -> None:
+    async def _on_open(self) -> None:
         await self._get_client()
 
     async def _get_client(self) -> Any:
@@ -432,14 +431,11 @@ class S3Store(BaseStore):
             "uses it ('async with open_store(...)' in each asyncio.run), or open one per loop"
         )
 
-    async def _aclose(self) -> None:
-        # Under the lock: a client being created right now is finished first and closed here;
-        # one requested after this point is refused, as the store is already marked closed.
-        await shield(self._close_client())
-
-    async def _close_client(self) -> None:
+    async def _on_close(self) -> None:
         # A writer left open would otherwise keep its multipart upload (and its stored parts)
-        # forever: with the client gone, its own abort could not reach S3.
+        # forever: with the client gone, its own abort could not reach S3. Then, under the
+        # lock: a client being created right now is finished first and closed here; one
+        # requested after this point is refused, as the store is already marked closed.
         for writer in list(self._writers):
             await writer.abort_now()
         async with self._client_lock:
@@ -454,13 +450,8 @@ class S3Store(BaseStore):
             if cm is not None:
                 await cm.__aexit__(None, None, None)
 
-    def __del__(self) -> None:
-        if getattr(self, "_client", None) is not None:
-            warnings.warn(
-                f"{self.url} was not closed; use 'async with open_store(...)' or await aclose()",
-                ResourceWarning,
-                stacklevel=1,
-            )
+    def _holds_resources(self) -> bool:
+        return getattr(self, "_client", None) is not None
 
     # -- request plumbing -------------------------------------------------------------------
 
@@ -1097,7 +1088,7 @@ class _S3Reader(BaseReader):
             self._slot_held = False
             self._store._slots.release()
 
-    async def _close(self) -> None:
+    async def _on_close(self) -> None:
         try:
             await self._drop_body()
         finally:
