@@ -17,6 +17,10 @@ import xxhash
 from .errors import AsyncStoreError
 from .stores import open_store
 
+__all__ = ["main", "DEFAULT_DEMO_URL"]
+
+# Where ``asyncstore demo`` writes without --url: a directory beside the caller, so the demo
+# needs no server and what it wrote is easy to find and remove.
 DEFAULT_DEMO_URL = "./asyncstore-demo"
 
 
