@@ -13,15 +13,15 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
-from types import TracebackType
 from typing import Literal, Self
 
 import msgspec
 
 from ._concurrency import TaskSet, forget_errors
+from ._resource import AsyncResource
 from .cache import TieredCache
 from .cache._stats import LatencyWindow
-from .errors import InvalidArgument, StoreClosed
+from .errors import InvalidArgument
 from .stores._base import Store
 
 __all__ = ["Prefetcher", "PrefetchStats"]
@@ -85,7 +85,7 @@ class PrefetchStats(msgspec.Struct):
     depth: int
 
 
-class Prefetcher:
+class Prefetcher(AsyncResource):
     """Yield ``(key, data)`` for every key of a plan, in order, fetching ahead.
 
     Args:
@@ -148,7 +148,6 @@ class Prefetcher:
         self._exhausted = False
         self._ready_bytes = 0
         self._avg_size: float | None = None
-        self._state = "new"
         self._items = self._skipped = self._fetched = self._stalls = 0
         self._wait = 0.0
         self._waits = LatencyWindow()
@@ -156,23 +155,14 @@ class Prefetcher:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        if self._state == "closed":
-            raise StoreClosed("this Prefetcher is closed; create a new one")
-        self._state = "open"
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
     async def aclose(self) -> None:
         """Stop every fetch in flight and drop what was fetched ahead; closing twice is fine."""
-        self._state = "closed"
+        await super().aclose()
+
+    def _holds_resources(self) -> bool:
+        return bool(getattr(self, "_window", None))  # fetches in flight, or bytes fetched
+
+    async def _on_close(self) -> None:
         self._refill = None
         window, self._window = self._window, deque()
         await self._tasks.aclose()

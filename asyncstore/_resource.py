@@ -70,9 +70,14 @@ class AsyncResource:
         if self._state == "open":
             return
         self._check_open()
-        await self._on_open()
-        if self._state == "new":  # not closed while opening
-            self._state = "open"
+        # Open before the first await: a second caller meanwhile must not open it again.
+        self._state = "open"
+        try:
+            await self._on_open()
+        except BaseException:
+            if self._state == "open":
+                self._state = "new"  # nothing was acquired: the next use tries again
+            raise
 
     async def __aenter__(self) -> Self:
         await self._ensure_open()

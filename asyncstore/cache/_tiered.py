@@ -17,14 +17,13 @@ import logging
 import os
 import sqlite3
 import time
-import warnings
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
-from types import TracebackType
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, TypeVar
 
 import anyio
 
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
+from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
@@ -92,7 +91,7 @@ def _key_list(keys: object, method: str) -> None:
         )
 
 
-class TieredCache:
+class TieredCache(AsyncResource):
     """A read-through cache over a store: memory, then an optional local disk directory.
 
     Args:
@@ -194,7 +193,6 @@ class TieredCache:
         self._disk_stats = TierStats(enabled=disk_dir is not None)
         self._store_stats = StoreFetchStats()
         self._latency = LatencyWindow()
-        self._state = "new"
 
     @property
     def policy(self) -> Literal["lru", "plan"]:
@@ -203,24 +201,7 @@ class TieredCache:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    async def __aenter__(self) -> Self:
-        await self._open()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def _open(self) -> None:
-        if self._state == "closed":
-            raise StoreClosed("this TieredCache is closed; create a new one")
-        if self._state == "open":
-            return
-        self._state = "open"
+    async def _on_open(self) -> None:
         if self._disk_dir is not None and self._disk_bytes is not None:
             directory, budget = self._disk_dir, self._disk_bytes
             identity = self._store.identity
@@ -231,30 +212,25 @@ class TieredCache:
 
     async def aclose(self) -> None:
         """Finish background disk writes and close the disk tier; closing twice is harmless."""
-        if self._state == "closed":
-            return
-        self._state = "closed"
+        await super().aclose()
+
+    async def _on_close(self) -> None:
         self._batch_full.set()  # a batch waiting for more entries goes now
         # Let fetches and disk writes finish: a cancelled write would only waste the fetch,
         # and every task is bounded by the store's own timeouts. A finishing fetch may queue
         # a write task: wait until none is left.
-        await shield(self._drain())
+        await self._drain()
         disk, self._disk = self._disk, None
         if disk is not None:
-            await shield(to_thread(disk.close, limiter=self._limiter))
+            await to_thread(disk.close, limiter=self._limiter)
 
     async def _drain(self) -> None:
         while self._tasks:
             await self._tasks.join()
         await self._tasks.aclose()
 
-    def __del__(self) -> None:
-        if getattr(self, "_state", "closed") == "open" and getattr(self, "_disk", None):
-            warnings.warn(
-                "TieredCache was not closed; use 'async with' or await aclose()",
-                ResourceWarning,
-                stacklevel=1,
-            )
+    def _holds_resources(self) -> bool:
+        return getattr(self, "_disk", None) is not None
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -267,7 +243,7 @@ class TieredCache:
         fails a read the store can serve.
         """
         if self._state != "open":
-            await self._open()
+            await self._ensure_open()
         key = check_key(key, self._store.url)
         self._gets += 1
         if start is None and end is None:
