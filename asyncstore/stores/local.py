@@ -30,7 +30,7 @@ from ._keys import RESERVED_PREFIX, check_key
 
 __all__ = ["LocalConfig", "LocalStore"]
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 _TMP_PREFIX = f"{RESERVED_PREFIX}-tmp-"
 
@@ -78,7 +78,7 @@ class LocalStore(BaseStore):
         """The store's options."""
         return self._config
 
-    async def _run(self, key: str, doing: str, func: Callable[..., T], *args: object) -> T:
+    async def _run(self, key: str, doing: str, func: Callable[..., _T], *args: object) -> _T:
         """Run ``func`` in a worker thread, translating ``OSError`` into asyncstore errors."""
         try:
             return await to_thread(func, *args, limiter=self._limiter)

@@ -39,12 +39,12 @@ from ._s3fast import S3HTTPError, SignedGetter
 
 __all__ = ["S3Config", "S3Store"]
 
-T = TypeVar("T")
-logger = logging.getLogger("asyncstore.s3")
+_T = TypeVar("_T")
+_logger = logging.getLogger("asyncstore.s3")
 
-MiB = 1 << 20
-_MIN_PART = 5 * MiB  # S3's minimum size for every part but the last
-_MAX_PART = 5 * 1024 * MiB
+_MiB = 1 << 20
+_MIN_PART = 5 * _MiB  # S3's minimum size for every part but the last
+_MAX_PART = 5 * 1024 * _MiB
 _MAX_PARTS = 10_000
 _SMALL_BODY = 1 << 20  # bodies up to this size go to aiohttp as bytes (see _payload)
 
@@ -75,7 +75,7 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Requests in flight at once (an open reader holds one). S3 clients degrade beyond about
     32 concurrent requests each: latency climbs while throughput stays flat."""
 
-    part_size: Annotated[int, msgspec.Meta(ge=_MIN_PART, le=_MAX_PART)] = 16 * MiB
+    part_size: Annotated[int, msgspec.Meta(ge=_MIN_PART, le=_MAX_PART)] = 16 * _MiB
     """Size of multipart-upload parts and of the ranges a large ``get`` fetches in parallel.
     16 MiB keeps per-request overhead under a few percent at local-network speeds while a
     failed part costs little to resend."""
@@ -486,12 +486,12 @@ class S3Store(BaseStore):
         return StoreError(f"{where}: {_describe(exc)}")
 
     async def _call(
-        self, key: str, what: str, attempt: Callable[[Any], Awaitable[T]], *, slot: bool = True
-    ) -> T:
+        self, key: str, what: str, attempt: Callable[[Any], Awaitable[_T]], *, slot: bool = True
+    ) -> _T:
         """Run ``attempt(client)`` with retries, inside a request slot, translating errors."""
         client = await self._get_client()
 
-        async def once() -> T:
+        async def once() -> _T:
             if not slot:
                 return await attempt(client)
             async with self._slots:
@@ -868,7 +868,7 @@ class _S3Writer(BaseWriter):
 
         return await self._upload_call(f"upload part {number}", attempt)
 
-    async def _upload_call(self, what: str, attempt: Callable[[Any], Awaitable[T]]) -> T:
+    async def _upload_call(self, what: str, attempt: Callable[[Any], Awaitable[_T]]) -> _T:
         """A request on this writer's upload; says what happened if the upload is gone."""
         try:
             return await self._store._call(self._key, what, attempt)
@@ -939,7 +939,7 @@ class _S3Writer(BaseWriter):
             pass  # already gone
         except Exception as exc:
             # The data is not visible under the key either way; say what to clean up.
-            logger.warning(
+            _logger.warning(
                 "could not abort multipart upload %s of %s (%s); a bucket lifecycle rule for "
                 "incomplete uploads will remove it",
                 upload_id,
