@@ -99,6 +99,11 @@ class Writer(Protocol):
         """Append ``data``. The buffer may be reused by the caller once this returns."""
         ...
 
+    async def aclose(self) -> None:
+        """Give up the write if its block is still open: nothing appears under the key, and
+        its temp file or unfinished upload is removed. Harmless once the block has ended."""
+        ...
+
     async def __aenter__(self) -> Self: ...
 
     async def __aexit__(
