@@ -4,6 +4,7 @@
 """
 
 from ._base import DEFAULT_CHUNK_SIZE, ObjectInfo, Reader, Store, Writer
+from ._capabilities import CleansUpWrites, LocalFiles, PinnedReads
 from ._open import open_store
 from .local import LocalConfig, LocalStore
 from .memory import MemoryStore, drop_memory_store
@@ -15,6 +16,9 @@ __all__ = [
     "ObjectInfo",
     "Reader",
     "Writer",
+    "CleansUpWrites",
+    "LocalFiles",
+    "PinnedReads",
     "MemoryStore",
     "LocalStore",
     "LocalConfig",

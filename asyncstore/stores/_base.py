@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import Literal, Protocol, Self, runtime_checkable
+from typing import Any, Literal, Protocol, Self, runtime_checkable
 
 import anyio
 import msgspec
@@ -171,6 +171,19 @@ class Store(Protocol):
         """
         ...
 
+    @property
+    def remote(self) -> bool:
+        """Whether the store's bytes cross a network (an object store), rather than a local
+        disk or memory: the checkpoint engine's ``compression="auto"`` assumes less
+        bandwidth for remote stores and compresses more readily."""
+        ...
+
+    def reopen_args(self) -> tuple[str, dict[str, Any]]:
+        """The URL (or path) and options with which :func:`open_store` opens this store
+        again, for example in a DataLoader worker: no live client crosses a process
+        boundary."""
+        ...
+
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         """Return the object's bytes, or the range ``[start, end)`` of them.
 
@@ -256,6 +269,15 @@ class BaseStore(AsyncResource, abc.ABC):
     def identity(self) -> str:
         """See :attr:`Store.identity`; the root URL unless a store needs more."""
         return self._url
+
+    @property
+    def remote(self) -> bool:
+        """See :attr:`Store.remote`; ``False`` unless the store says otherwise."""
+        return False
+
+    def reopen_args(self) -> tuple[str, dict[str, Any]]:
+        """See :meth:`Store.reopen_args`; the URL and no options unless a store needs more."""
+        return self._url, {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._url!r})"

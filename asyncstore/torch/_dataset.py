@@ -20,7 +20,7 @@ from .._loop import run_sync
 from .._prefetch import Prefetcher, PrefetchStats, check_window
 from ..cache import CacheStats, TieredCache
 from ..errors import InvalidArgument, InvalidKey
-from ..stores import LocalStore, S3Store, Store, open_store
+from ..stores import Store, open_store
 from ..stores._keys import check_key
 from ._order import EpochOrder
 from ._shard import check_resume, per_rank
@@ -67,14 +67,6 @@ class DatasetStats(msgspec.Struct):
     samples: int
     prefetch: PrefetchStats | None
     cache: CacheStats | None
-
-
-def _store_options(store: Store) -> dict[str, Any]:
-    # Workers reopen the store from its URL and options: a live client never crosses a
-    # process boundary (async clients inherited across fork hang).
-    if isinstance(store, S3Store | LocalStore):
-        return dict(msgspec.structs.asdict(store.config))
-    return {}
 
 
 def _check_keys(keys: object, url: str) -> list[str]:
@@ -154,10 +146,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                     f"store_options={store_options!r} was given with an open store; they "
                     "apply only when source is a URL (the store keeps its own options)"
                 )
-            # A local store reopens from its path: its URL shows the path undecoded, and a
-            # name holding '%' or '#' would not read back as the same path.
-            self._url = source.root if isinstance(source, LocalStore) else source.url
-            self._options = _store_options(source)
+            # Workers reopen the store from its URL and options: a live client never crosses
+            # a process boundary (async clients inherited across fork hang).
+            self._url, self._options = source.reopen_args()
         elif isinstance(source, str | os.PathLike):
             self._url = os.fspath(source)
             self._options = dict(store_options or {})
