@@ -38,8 +38,8 @@ from typing import Any, overload
 import anyio
 import xxhash
 
+from ._concurrency import shield as shielded
 from ._flock import try_lock
-from .checkpoint._threads import shielded
 from .errors import IntegrityError, InvalidArgument
 from .stores._keys import MAX_KEY_BYTES
 

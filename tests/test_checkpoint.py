@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 import asyncstore
 import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreUnavailable, UnsafeCheckpoint
-from asyncstore.checkpoint import read_manifest, staging_pool
+from asyncstore.checkpoint import _target, read_manifest, staging_pool
 from asyncstore.checkpoint._target import StoreSource
 from asyncstore.testing import SeaweedFS
 
@@ -253,12 +253,9 @@ async def test_keys_read_only_their_chunks() -> None:
         assert manifest is not None
         a_chunks = [c for s in manifest.storages if s.name == "a" for c in s.chunks]
         b_chunks = [c for s in manifest.storages if s.name == "b" for c in s.chunks]
-        original = asyncstore.checkpoint._load.StoreSource  # type: ignore[attr-defined]
-        asyncstore.checkpoint._load.StoreSource = Counting  # type: ignore[attr-defined]
-        try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(_target, "StoreSource", Counting)
             part = await asyncstore.load((store, "k"), keys=["a", "tied"])
-        finally:
-            asyncstore.checkpoint._load.StoreSource = original  # type: ignore[attr-defined]
         with pytest.raises(InvalidArgument, match="no entries \\['nope'\\]"):
             await asyncstore.load((store, "k"), keys=["nope"])
     assert list(part) == ["a", "tied"]
@@ -791,14 +788,15 @@ async def test_encoding_runs_at_the_priority_asked(
 ) -> None:
     # Checksums and compression run on threads a training step's threads always win
     # against, unless the caller asks otherwise; the snapshot runs at normal priority.
-    from asyncstore.checkpoint import _save
+    from asyncstore.checkpoint._pipeline import SaveJob
+    from asyncstore.checkpoint._staging import Copier
 
     seen: dict[str, set[int]] = {"encode": set(), "copy": set()}
 
     def own() -> int:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
-    encode, copy = _save._SaveJob._encode_sync, _save._SaveJob._copy
+    encode, copy = SaveJob._encode_sync, Copier._copy
 
     def spying_encode(self: Any, segment: Any) -> Any:
         seen["encode"].add(own())
@@ -808,8 +806,8 @@ async def test_encoding_runs_at_the_priority_asked(
         seen["copy"].add(own())
         copy(segment)
 
-    monkeypatch.setattr(_save._SaveJob, "_encode_sync", spying_encode)
-    monkeypatch.setattr(_save._SaveJob, "_copy", staticmethod(spying_copy))
+    monkeypatch.setattr(SaveJob, "_encode_sync", spying_encode)
+    monkeypatch.setattr(Copier, "_copy", staticmethod(spying_copy))
     base = os.getpriority(os.PRIO_PROCESS, 0)
     state = {"w": torch.randn(1 << 16)}
     await (await asyncstore.save(state, tmp_path / "p.ckpt", priority=priority))  # type: ignore[arg-type]
@@ -824,13 +822,13 @@ async def test_a_load_reads_one_file_while_a_save_replaces_it(
 ) -> None:
     # An evaluation job loading "latest.ckpt" while training saves a new one over it: the
     # load keeps reading the file whose manifest it read, and gets that checkpoint whole.
-    from asyncstore.checkpoint import _load
+    from asyncstore.checkpoint import _reader
 
     old = {"w": torch.randn(300_000), "b": torch.randn(10)}
     new = {"w": torch.randn(300_000), "b": torch.randn(10)}
     await (await asyncstore.save(old, tmp_path / "latest.ckpt"))
     await (await asyncstore.save(new, tmp_path / "next.ckpt"))
-    structure = _load._Reader.structure
+    structure = _reader.ChunkReader.structure
     replaced: list[bool] = []
 
     async def replace_then_read(self: Any) -> bytes:
@@ -839,7 +837,7 @@ async def test_a_load_reads_one_file_while_a_save_replaces_it(
             replaced.append(True)
         return await structure(self)
 
-    monkeypatch.setattr(_load._Reader, "structure", replace_then_read)
+    monkeypatch.setattr(_reader.ChunkReader, "structure", replace_then_read)
     assert_same(old, await asyncstore.load(tmp_path / "latest.ckpt"))
     assert replaced
     assert_same(new, await asyncstore.load(tmp_path / "latest.ckpt"))
@@ -850,7 +848,7 @@ async def test_a_manifest_asking_for_more_memory_than_there_is_is_refused() -> N
     # the load refuses before allocating, rather than being killed by the OOM killer (or
     # allocating terabytes of swap).
     from asyncstore.checkpoint._format import ZSTD_MAX_RATIO
-    from asyncstore.checkpoint._load import available_memory
+    from asyncstore.checkpoint._reader import available_memory
 
     from .forge import Forged, ForgedStorage, StorageRef, forge, rebuild, write_pickle
 
@@ -915,13 +913,13 @@ async def test_a_failed_snapshot_copy_fails_the_save_cleanly(
 ) -> None:
     # A copy into staging failing (a tensor freed under us, a device error) fails the call
     # itself; every slab comes back, no temp file stays, the previous checkpoint is intact.
-    from asyncstore.checkpoint import _save
+    from asyncstore.checkpoint._staging import Copier
 
     chunk = (1 << 16) + 4096
     state = {f"t{i}": torch.randn(10_000) for i in range(40)}  # several slabs
     target = tmp_path / "c.ckpt"
     await (await asyncstore.save(state, target, chunk_bytes=chunk, compression=None))
-    copy = _save._SaveJob._copy
+    copy = Copier._copy
     calls = 0
 
     def failing_copy(segment: Any) -> None:
@@ -931,7 +929,7 @@ async def test_a_failed_snapshot_copy_fails_the_save_cleanly(
             raise RuntimeError("copy failed")
         copy(segment)
 
-    monkeypatch.setattr(_save._SaveJob, "_copy", staticmethod(failing_copy))
+    monkeypatch.setattr(Copier, "_copy", staticmethod(failing_copy))
     changed = {k: v + 1 for k, v in state.items()}
     with pytest.raises(RuntimeError, match="copy failed"):
         await asyncstore.save(changed, target, chunk_bytes=chunk, compression=None)

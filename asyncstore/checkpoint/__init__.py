@@ -1,8 +1,10 @@
 """The streaming checkpoint engine: non-blocking saves, verified loads (needs torch)."""
 
 from ._format import FORMAT_VERSION, Manifest
+from ._handle import SaveHandle, SaveResult
 from ._load import load, read_manifest
-from ._save import SaveHandle, SaveResult, StagingPool, save, staging_pool
+from ._save import save
+from ._staging import StagingPool, staging_pool
 
 __all__ = [
     "save",

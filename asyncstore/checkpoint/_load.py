@@ -1,29 +1,28 @@
-"""Loading a checkpoint: footer, manifest, then only the chunks needed, each verified."""
+"""Loading a checkpoint: which chunks to read, and the object built from them.
+
+The manifest says which storages each entry uses, so ``keys=`` and ``into=`` read only
+theirs (through :class:`ChunkReader`); the pickled structure is then unpickled with a
+``persistent_load`` that hands each storage id its storage. A file that is not an
+asyncstore checkpoint is passed to ``torch.load``.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import io
-import os
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 import torch
-import xxhash
 
-from .._iov import IOV_MAX, advance
+from .._concurrency import shield, to_thread
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
-from ._save import _view
-from ._target import FileSource, Source, StoreSource, resolve
-from ._threads import run_thread, shielded
+from ._reader import ChunkReader, manifest_of
+from ._target import FileSource, Source, open_source, resolve
 from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
 
-__all__ = ["load", "read_manifest"]
-
-# Chunks read at once: enough to keep S3 busy, few enough to bound memory.
-_READS = 8
+__all__ = ["load", "read_manifest", "LoadOptions"]
 
 
 class LoadOptions(TypedDict, total=False):
@@ -49,9 +48,9 @@ async def read_manifest(
     """
     resolved = resolve(source, store_options, writing=False)
     try:
-        src = _source(resolved)
+        src = open_source(resolved)
         try:
-            manifest = await _read_manifest(src)
+            manifest = await manifest_of(src)
         finally:
             await src.aclose()
         if manifest is None:
@@ -59,240 +58,6 @@ async def read_manifest(
         return manifest
     finally:
         await resolved.aclose()
-
-
-def _source(resolved: Any) -> Source:
-    if resolved.file is not None:
-        return FileSource(resolved.file)
-    assert resolved.store is not None
-    assert resolved.key is not None
-    return StoreSource(resolved.store, resolved.key, resolved.local_path)
-
-
-async def _read_manifest(source: Source) -> fmt.Manifest | None:
-    """The checkpoint's manifest, verified; None for an object that is not one of ours."""
-    size = await source.size()
-    if size < fmt.FOOTER_SIZE:
-        return None
-    footer = fmt.decode_footer(await source.read(size - fmt.FOOTER_SIZE, size), source.url)
-    if footer is None:
-        return None
-    end = footer.manifest_offset + footer.manifest_length
-    if end > size - fmt.FOOTER_SIZE:
-        raise IntegrityError(f"{source.url}: the footer points past the end of the checkpoint")
-    data = await source.read(footer.manifest_offset, end)
-    return fmt.decode_manifest(data, footer, source.url)
-
-
-# Buffers one preadv call may take (Linux: 1024).
-
-# Consecutive chunks are read together up to this many bytes: one read and one thread hop
-# per span rather than per chunk (a model has hundreds of small tensors).
-_SPAN = 32 * 1024 * 1024
-
-
-class _Target:
-    """A chunk to read and where its decoded bytes go."""
-
-    __slots__ = ("chunk", "out", "what")
-
-    def __init__(self, chunk: fmt.Chunk, out: memoryview, what: str) -> None:
-        self.chunk, self.out, self.what = chunk, out, what
-
-
-class _Reader:
-    def __init__(self, source: Source, manifest: fmt.Manifest) -> None:
-        self.source = source
-        self.manifest = manifest
-        self.reads = asyncio.Semaphore(_READS)
-        self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-
-    def _check(self, stored: memoryview | bytes, target: _Target) -> None:
-        chunk = target.chunk
-        if len(stored) != chunk.stored or xxhash.xxh3_64_intdigest(stored) != chunk.stored_xxh3:
-            raise IntegrityError(
-                f"{self.source.url}: {target.what} (bytes {chunk.offset}-"
-                f"{chunk.offset + chunk.stored}) does not match its checksum: the checkpoint is "
-                "damaged; load an earlier one"
-            )
-
-    def _decode(self, stored: memoryview | bytes, target: _Target) -> None:
-        self._check(stored, target)
-        chunk = target.chunk
-        try:
-            fmt.decode_into(stored, chunk.codec, target.out)
-        except IntegrityError as exc:
-            raise IntegrityError(
-                f"{self.source.url}: {target.what} cannot be decoded: {exc}"
-            ) from None
-        if chunk.codec != "raw" and xxhash.xxh3_64_intdigest(target.out) != chunk.raw_xxh3:
-            raise IntegrityError(
-                f"{self.source.url}: {target.what} decodes to bytes that do not match their "
-                "checksum"
-            )
-
-    def _decode_span(
-        self, data: memoryview | bytes | bytearray, start: int, span: list[_Target]
-    ) -> None:
-        view = memoryview(data)
-        for target in span:
-            offset = target.chunk.offset - start
-            self._decode(view[offset : offset + target.chunk.stored], target)
-
-    def _read_local(self, start: int, end: int, span: list[_Target]) -> None:
-        # Straight from the file: raw chunks land in their tensors with one copy (preadv
-        # scatters the span into them), then are verified where they lie.
-        assert isinstance(self.source, StoreSource)
-        fd = self.source.fd()  # the file the manifest came from
-        if all(t.chunk.codec == "raw" for t in span):
-            buffers = [t.out for t in span]
-            position = start
-            while buffers:
-                got = os.preadv(fd, buffers[:IOV_MAX], position)
-                if got == 0:
-                    raise IntegrityError(
-                        f"{self.source.url} ends at byte {position}, before its chunks do"
-                    )
-                position += got
-                advance(buffers, got)
-            for target in span:
-                self._check(target.out, target)
-            return
-        data = bytearray(end - start)
-        got = os.preadv(fd, [data], start)
-        while got < len(data):
-            more = os.preadv(fd, [memoryview(data)[got:]], start + got)
-            if more == 0:
-                raise IntegrityError(f"{self.source.url} ends at byte {start + got}")
-            got += more
-        self._decode_span(data, start, span)
-
-    async def _span(self, span: list[_Target]) -> None:
-        start = span[0].chunk.offset
-        end = span[-1].chunk.offset + span[-1].chunk.stored
-        if self.source.local_path is not None:
-            await run_thread(self._read_local, start, end, span, limiter=self.decoders)
-            return
-        async with self.reads:
-            data = await self.source.read(start, end)
-        await run_thread(self._decode_span, data, start, span, limiter=self.decoders)
-
-    async def read(self, targets: list[_Target]) -> None:
-        """Read and verify every target, consecutive chunks together."""
-        targets = sorted(targets, key=lambda t: t.chunk.offset)
-        spans: list[list[_Target]] = []
-        for target in targets:
-            last = spans[-1] if spans else None
-            if (
-                last is not None
-                and last[-1].chunk.offset + last[-1].chunk.stored == target.chunk.offset
-                and target.chunk.offset + target.chunk.stored - last[0].chunk.offset <= _SPAN
-            ):
-                last.append(target)
-            else:
-                spans.append([target])
-        await _gather([self._span(span) for span in spans])
-
-    async def structure(self) -> bytes:
-        chunk = self.manifest.structure
-        _check_memory(chunk.raw, self.source.url, "its pickled structure")
-        out = bytearray(chunk.raw)
-        # One read from the start: the header, then the structure right after it.
-        data = await self.source.read(0, chunk.offset + chunk.stored)
-        if data[: len(fmt.MAGIC)] != fmt.MAGIC:
-            raise IntegrityError(f"{self.source.url}: the checkpoint's header is damaged")
-        target = _Target(chunk, memoryview(out), "the pickled structure")
-        self._decode(memoryview(data)[chunk.offset :], target)
-        return bytes(out)
-
-    async def storages(self, entries: list[fmt.Storage]) -> dict[int, torch.UntypedStorage]:
-        """Each entry's storage, read and verified (on the CPU)."""
-        out: dict[int, torch.UntypedStorage] = {}
-        targets: list[_Target] = []
-        _check_memory(sum(entry.nbytes for entry in entries), self.source.url)
-        for entry in entries:
-            storage, memory = fixed_storage(entry.nbytes)
-            position = 0
-            for index, chunk in enumerate(entry.chunks):
-                if position + chunk.raw > entry.nbytes:
-                    raise IntegrityError(
-                        f"{self.source.url}: tensor {entry.name!r} overflows its storage"
-                    )
-                what = f"chunk {index} of tensor {entry.name!r}"
-                targets.append(_Target(chunk, memory[position : position + chunk.raw], what))
-                position += chunk.raw
-            if position != entry.nbytes:
-                raise IntegrityError(
-                    f"{self.source.url}: tensor {entry.name!r} has {position} of "
-                    f"{entry.nbytes} bytes"
-                )
-            out[entry.id] = storage
-        await self.read(targets)
-        return out
-
-
-def fixed_storage(nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
-    """A CPU storage of exactly ``nbytes`` that cannot grow, and a writable view of it.
-
-    torch's own storages are resizable: ``set_`` with a view larger than the storage grows
-    it, and the new bytes are whatever the allocator had. A storage made over a Python
-    buffer cannot be resized (``torch.load``'s cannot either), so a view past the end fails
-    instead of exposing memory. The buffer is a ctypes array over memory from torch's
-    allocator, which it keeps alive: freed and reused like any tensor's, so loading again
-    costs no fresh page faults. (An empty storage is resizable: views are checked against
-    it before they are built.)
-    """
-    if nbytes == 0:
-        return torch.UntypedStorage(0), memoryview(bytearray())  # type: ignore[no-untyped-call]
-    owner = torch.empty(nbytes, dtype=torch.uint8)
-    memory = _view(owner)
-    # The ctypes array under the view keeps the tensor that owns the memory alive, and the
-    # storage keeps the array alive: the memory goes back to torch with the storage.
-    memory.obj._owner = owner  # type: ignore[attr-defined]
-    return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), memory
-
-
-# Allocations from this size on are checked against the memory the machine has free.
-_CHECKED_FROM = 64 * 1024 * 1024
-
-
-def available_memory() -> int | None:
-    """Bytes this machine can still give a process (available RAM plus free swap), or
-    ``None`` where that cannot be read."""
-    try:
-        with open("/proc/meminfo", "rb") as f:
-            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
-        return sum(int(fields[name].split()[0]) * 1024 for name in (b"MemAvailable", b"SwapFree"))
-    except (OSError, KeyError, ValueError, IndexError):
-        return None
-
-
-def _check_memory(needed: int, url: str, what: str = "its tensors") -> None:
-    # Before allocating: a manifest (damaged, crafted, or simply too large for this machine)
-    # must not get the process killed by the OOM killer halfway through a load. into= asks
-    # once per storage: small ones are not worth reading /proc/meminfo for.
-    if needed < _CHECKED_FROM:
-        return
-    available = available_memory()
-    if available is not None and needed > available:
-        raise UnsafeCheckpoint(
-            f"loading {url} needs {needed / 2**30:,.1f} GiB for {what} but this machine "
-            f"has {available / 2**30:,.1f} GiB available: load some entries with keys=, fill "
-            "existing tensors in place with into=, or load on a larger machine"
-        )
-
-
-async def _gather(jobs: list[Any]) -> None:
-    # All or nothing: the first error cancels the rest and is raised as it is.
-    tasks = [asyncio.ensure_future(job) for job in jobs]
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        # Each ends only when its thread is done with the tensors it fills (run_thread).
-        await shielded(asyncio.gather(*tasks, return_exceptions=True))
-        raise
 
 
 def _check_map_location(map_location: Any) -> None:
@@ -425,9 +190,9 @@ async def load(
             )
         wanted = list(into)
     resolved = resolve(source, store_options, writing=False)
-    src = _source(resolved)
+    src = open_source(resolved)
     try:
-        manifest = await _read_manifest(src)
+        manifest = await manifest_of(src)
         if manifest is None:
             size = await src.size()
             head = await src.read(0, min(size, len(fmt.MAGIC)))
@@ -441,15 +206,15 @@ async def load(
                     f"{src.url} is neither an asyncstore checkpoint nor a torch.save file"
                 )
             return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
-        reader = _Reader(src, manifest)
+        reader = ChunkReader(src, manifest)
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
     finally:
-        await shielded(src.aclose())  # after every thread reading through it is done
+        await shield(src.aclose())  # after every thread reading through it is done
         await resolved.aclose()
 
 
 async def _load(
-    reader: _Reader,
+    reader: ChunkReader,
     map_location: Any,
     weights_only: bool,
     wanted: list[str] | None,
@@ -517,7 +282,7 @@ async def _load(
     try:
         # In a thread: the checked unpickler is pure Python, and a structure of 100,000
         # tensors would hold the event loop for seconds (torch.save files load there too).
-        obj = await run_thread(unpickler.load)
+        obj = await to_thread(unpickler.load)
     except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
         raise
     except Exception as exc:
@@ -561,7 +326,7 @@ def _check_read(url: str, meta: dict[int, int], entries: dict[str, Any]) -> None
 
 
 async def _fill(
-    reader: _Reader,
+    reader: ChunkReader,
     by_id: dict[int, fmt.Storage],
     obj: Mapping[str, Any],
     into: dict[str, Any],
@@ -648,13 +413,13 @@ async def _load_torch(
 
     try:
         if src.local_path is not None:
-            obj = await run_thread(run, src.local_path)
+            obj = await to_thread(run, src.local_path)
         elif isinstance(src, FileSource):
             src.rewind()
-            obj = await run_thread(run, src._file)
+            obj = await to_thread(run, src.file)
         else:
             data = await src.read(0, await src.size())
-            obj = await run_thread(run, io.BytesIO(data))
+            obj = await to_thread(run, io.BytesIO(data))
     except Exception as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
             raise UnsafeCheckpoint(

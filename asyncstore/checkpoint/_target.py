@@ -3,20 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import threading
 from typing import IO, Any
 
+from .._concurrency import shield, to_thread
 from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound
 from ..stores import LocalStore, Store, Writer, open_store
 from ..stores._keys import check_key
 from ..stores._open import is_local, local_path, open_local
 from ..stores.s3 import S3Store
-from ._threads import run_thread
 
-__all__ = ["Target", "resolve", "Sink", "Source"]
-
-Target = str | os.PathLike[str] | tuple[Store, str] | IO[bytes]
+__all__ = ["Resolved", "Sink", "Source", "open_sink", "open_source", "resolve"]
 
 
 class Sink:
@@ -55,7 +54,9 @@ class Source:
         """Release what the source opened."""
 
 
-class _Resolved:
+class Resolved:
+    """What a checkpoint target or source names: a store and key, or a file object."""
+
     def __init__(self, store: Store | None, key: str | None, file: IO[bytes] | None) -> None:
         self.store, self.key, self.file = store, key, file
         self.owned = False  # the store was opened here and is closed here
@@ -69,11 +70,42 @@ class _Resolved:
         return f"<file object {name!r} at {id(self.file):#x}>"
 
     async def aclose(self) -> None:
+        """Close the store if it was opened for this target."""
         if self.owned and self.store is not None:
             await self.store.aclose()
 
 
-def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bool) -> _Resolved:
+async def open_sink(resolved: Resolved) -> Sink:
+    """A sink that writes the checkpoint at ``resolved``, open and ready for its bytes."""
+    if resolved.file is not None:
+        return FileSink(resolved.file)
+    assert resolved.store is not None
+    assert resolved.key is not None
+    if resolved.local_path is not None:
+        os.makedirs(os.path.dirname(resolved.local_path), exist_ok=True)
+    if isinstance(resolved.store, S3Store | LocalStore):
+        # What a save killed mid-write left: unfinished uploads, temp files.
+        await resolved.store.clean_up_writes(resolved.key)
+    sink = StoreSink(resolved.store, resolved.key)
+    try:
+        await sink.open()
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # the original error is the one to report
+            await shield(sink.abort(exc))
+        raise
+    return sink
+
+
+def open_source(resolved: Resolved) -> Source:
+    """A source that reads the checkpoint at ``resolved``."""
+    if resolved.file is not None:
+        return FileSource(resolved.file)
+    assert resolved.store is not None
+    assert resolved.key is not None
+    return StoreSource(resolved.store, resolved.key, resolved.local_path)
+
+
+def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bool) -> Resolved:
     """Turn what the caller passed into a store and key, or a file object.
 
     Raises:
@@ -86,7 +118,7 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
                 f"target {target!r}: a pair must be (store, key), with an open asyncstore store"
             )
         store, key = target
-        resolved = _Resolved(store, check_key(key, store.url), None)
+        resolved = Resolved(store, check_key(key, store.url), None)
         if isinstance(store, LocalStore):
             resolved.local_path = store._path_for_read(key)
         return resolved
@@ -105,7 +137,7 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
                     f"checkpoint path {target!r} is a directory; name a file inside it"
                 )
             directory, key = os.path.split(path)
-            resolved = _Resolved(open_local(directory, options), key, None)
+            resolved = Resolved(open_local(directory, options), key, None)
             resolved.local_path = path
         else:
             head, _, key = target.rstrip("/").rpartition("/")
@@ -121,15 +153,15 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
                     f"checkpoint URL {target!r} has an empty path segment ('//'); write "
                     f"{head.rstrip('/') + '/' + key!r}"
                 )
-            resolved = _Resolved(open_store(head, **options), key, None)
+            resolved = Resolved(open_store(head, **options), key, None)
         if resolved.key is not None and resolved.store is not None:
             check_key(resolved.key, resolved.store.url)
         resolved.owned = True
         return resolved
     if writing and hasattr(target, "write"):
-        return _Resolved(None, None, target)  # type: ignore[arg-type]
+        return Resolved(None, None, target)  # type: ignore[arg-type]
     if not writing and hasattr(target, "read") and hasattr(target, "seek"):
-        return _Resolved(None, None, target)  # type: ignore[arg-type]
+        return Resolved(None, None, target)  # type: ignore[arg-type]
     kind = "a writable" if writing else "a readable, seekable"
     raise InvalidArgument(
         f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "
@@ -199,10 +231,10 @@ class FileSink(Sink):
         self._limiter = asyncio.Semaphore(1)
 
     async def write(self, data: memoryview | bytes | bytearray) -> None:
-        await run_thread(_write_fully, self._file, data, limiter=self._limiter)
+        await to_thread(_write_fully, self._file, data, limiter=self._limiter)
 
     async def commit(self) -> None:
-        await run_thread(self._file.flush, limiter=self._limiter)
+        await to_thread(self._file.flush, limiter=self._limiter)
 
     async def abort(self, exc: BaseException) -> None:
         return None  # the caller's file: what was written stays, as with torch.save
@@ -268,14 +300,14 @@ class StoreSource(Source):
 
     async def size(self) -> int:
         if self.local_path is not None:
-            return await run_thread(lambda: os.fstat(self.fd()).st_size)
+            return await to_thread(lambda: os.fstat(self.fd()).st_size)
         info = await self._store.stat(self._key)
         self._etag = info.etag
         return info.size
 
     async def read(self, start: int, end: int) -> bytes:
         if self.local_path is not None:
-            return await run_thread(self._pread, start, end)
+            return await to_thread(self._pread, start, end)
         if isinstance(self._store, S3Store) and self._etag is not None:
             return await self._store._get_pinned(self._key, start, end, self._etag)
         return await self._store.get(self._key, start, end)
@@ -300,7 +332,7 @@ class FileSource(Source):
                 end = self._file.seek(0, os.SEEK_END)
                 return end - self._start
 
-        return await run_thread(measure)
+        return await to_thread(measure)
 
     async def read(self, start: int, end: int) -> bytes:
         def read() -> bytes:
@@ -311,7 +343,12 @@ class FileSource(Source):
                 raise NotFound(f"{self.url} ended before byte {end}")
             return data
 
-        return await run_thread(read)
+        return await to_thread(read)
+
+    @property
+    def file(self) -> IO[bytes]:
+        """The caller's file object."""
+        return self._file
 
     def rewind(self) -> None:
         self._file.seek(self._start)

@@ -8,7 +8,6 @@ import logging
 from typing import Any, Unpack
 
 from .._concurrency import ExitStep, at_exit
-from .._concurrency import ExitStep, at_exit
 from .._loop import bridge_loop, run_sync
 from ..checkpoint import SaveResult
 from ..checkpoint import load as _load
@@ -37,7 +36,7 @@ def _finish_pending() -> None:
             logger.exception("a checkpoint save failed at exit")
 
 
-at_exit(ExitStep.FINISH_SAVES, _finish_pending)
+at_exit(ExitStep.FINISH_SAVES, _finish_pending)  # while the background loop still runs
 
 
 def _check_options(options: dict[str, Any], allowed: frozenset[str], func: str) -> None:

@@ -1,0 +1,130 @@
+"""Which codec each chunk gets, and encoding it: compressed only where that pays.
+
+``compression="auto"`` probes each storage's first chunk: a storage is compressed if the
+probe shrinks it enough *and* the encoders produce bytes faster than the target takes them
+(its write speed, measured by earlier saves to the same place). Elements of 2 and 4 bytes
+are byte-shuffled before zstd.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import time
+from dataclasses import dataclass
+
+import xxhash
+
+from . import _format as fmt
+from ._pickle import SavedStorage
+
+__all__ = ["ENCODERS", "Codecs", "Encoded"]
+
+MiB = 1 << 20
+
+# Chunks smaller than this are stored raw: compressing them saves nothing worth a codec.
+_SMALL = 64 * 1024
+# "auto" probes this much of a storage's first chunk.
+_PROBE = 128 * 1024
+# "auto" compresses a storage only if the probe shrank it to this fraction or less.
+_WORTH = 0.92
+# Threads encoding segments at once: also bounds compressed output held in memory.
+ENCODERS = max(1, min(4, os.cpu_count() or 1))
+# Write speeds from saves this small are mostly latency: not recorded.
+_MEASURED_FROM = 64 * MiB
+
+_BANDWIDTH: dict[str, float] = {}  # bytes/s seen per target directory, for "auto"
+
+
+@dataclass
+class Encoded:
+    """A chunk as stored: its codec, bytes (a view of the slab when raw) and checksums."""
+
+    codec: str
+    stored: memoryview | bytes
+    stored_xxh3: int
+    raw_xxh3: int
+
+
+class Codecs:
+    """The codec of every chunk of one save (``compression`` as :func:`save` takes it).
+
+    With ``"auto"``, the probe of a storage's first chunk decides for all its chunks.
+    Encoder threads call it at once: a storage whose first chunks are encoded together
+    may be probed more than once, which costs time only (each chunk records its codec).
+    """
+
+    def __init__(
+        self,
+        compression: str | None,
+        level: int,
+        exclude: tuple[str, ...],
+        where: str,
+        object_store: bool,
+    ) -> None:
+        self.compression, self.level, self.exclude = compression, level, exclude
+        self.where = where  # the target's directory: saves there share a measured speed
+        # Until a save to this place has been measured: local disks and memory are fast,
+        # object stores slow; compression pays where it produces bytes faster than these.
+        self.bandwidth = _BANDWIDTH.get(where, 150e6 if object_store else 1.5e9)  # bytes/s
+        self._codecs: dict[int, str] = {}
+        self._warm: set[str] = set()  # codecs probed once already in this save
+
+    def record_speed(self, written: int, seconds: float) -> None:
+        """Remember how fast the target took this save's bytes, for the next save there."""
+        if seconds > 0 and written >= _MEASURED_FROM:
+            _BANDWIDTH[self.where] = written / seconds
+
+    def codec_for(self, storage: SavedStorage, data: memoryview) -> str:
+        """The codec for ``data``, a chunk of ``storage``."""
+        if self.compression is None or len(data) < _SMALL:
+            return "raw"
+        if any(fnmatch.fnmatchcase(storage.name, pattern) for pattern in self.exclude):
+            return "raw"
+        width = storage.dtype.itemsize
+        codec = f"zstd+shuffle{width}" if width in (2, 4) else "zstd"
+        if self.compression == "zstd":
+            return codec
+        known = self._codecs.get(storage.id)
+        if known is not None:
+            return known
+        # "auto": probe the first chunk we meet of this storage.
+        sample = data[: min(len(data), _PROBE)]
+        # CPU time of this thread, not wall time: the question is how fast a core encodes,
+        # and a busy machine (a training step, another save) would otherwise make zstd look
+        # slow and flip the decision from run to run.
+        # The first probe of a codec in a save runs twice, timing the faster run: a cold
+        # thread's first compression (context set-up, first-touch page faults) can take
+        # 2-3x as long as the next and would keep everything raw.
+        speed = 0.0
+        for _ in range(1 if codec in self._warm else 2):
+            started = time.thread_time()
+            ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
+            speed = max(speed, len(sample) / max(time.thread_time() - started, 1e-6))
+        self._warm.add(codec)
+        keeps_up = speed * ENCODERS >= 1.1 * self.bandwidth
+        decision = codec if ratio <= _WORTH and keeps_up else "raw"
+        self._codecs[storage.id] = decision
+        return decision
+
+    def encode(self, storage: SavedStorage, raw: memoryview) -> Encoded:
+        """``raw``, a chunk of ``storage``, as it will be stored (in a worker thread)."""
+        codec = self.codec_for(storage, raw)
+        raw_xxh3 = xxhash.xxh3_64_intdigest(raw)
+        if codec != "raw":
+            stored = fmt.compress(raw, codec, self.level)
+            if len(stored) < len(raw):
+                return Encoded(codec, stored, xxhash.xxh3_64_intdigest(stored), raw_xxh3)
+        return Encoded("raw", raw, raw_xxh3, raw_xxh3)
+
+    def encode_structure(self, structure: bytes, offset: int) -> tuple[memoryview, fmt.Chunk]:
+        """The pickled structure as it will be stored at ``offset`` (compressed if that
+        pays), and its chunk."""
+        digest = xxhash.xxh3_64_intdigest(structure)
+        codec, stored = "raw", memoryview(structure)
+        if self.compression is not None and len(structure) >= _SMALL:
+            compressed = fmt.compress(stored, "zstd", self.level)
+            if len(compressed) < len(structure):
+                codec, stored = "zstd", memoryview(compressed)
+        stored_digest = digest if codec == "raw" else xxhash.xxh3_64_intdigest(stored)
+        return stored, fmt.Chunk(offset, len(stored), len(structure), codec, stored_digest, digest)

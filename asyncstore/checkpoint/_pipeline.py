@@ -1,0 +1,443 @@
+"""The save pipeline: one save, from the snapshot into staging to the commit.
+
+The caller waits for the snapshot only: tensor bytes copied into slabs of a reusable staging
+pool (pinned host memory when CUDA is present, device-to-host copies on a side stream).
+Each full slab (a *segment*: one or more chunks) then goes to a worker thread that encodes
+and checksums its chunks, while a writer task streams finished segments, in order, into the
+target's sink. The manifest and footer are written last; closing the sink is the commit
+point. A state larger than the pool streams through it: the snapshot then waits for slabs
+to come back (back-pressure), so the caller waits longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import torch
+import xxhash
+
+from .._concurrency import TaskSet, forget_errors, shield, to_thread, wait_shared
+from ..errors import AsyncStoreError
+from ..stores._direct import ALIGN
+from . import _format as fmt
+from ._codec import ENCODERS, Codecs, Encoded
+from ._handle import SaveResult
+from ._pickle import SavedStorage, dtype_name
+from ._staging import Copier, Piece, Segment, StagingPool, byte_view, storage_bytes
+from ._target import Sink
+
+__all__ = ["SaveJob"]
+
+MiB = 1 << 20
+
+# A storage that does not fit in what is left of a slab is cut there (its chunk ends early)
+# when at least this much (or a quarter of a slab) is left; otherwise it starts a new slab.
+_MIN_SPLIT = 1 * MiB
+# Compressed chunks smaller than this are gathered into one write.
+_SMALL_WRITE = 1 * MiB
+
+# The writer task of every save still writing in this process. A writer outlives the call
+# that started it, and it runs its job's close, so it cannot be in the job's own set.
+_WRITERS = TaskSet("asyncstore checkpoint saves")
+
+_SNAPSHOT, _WRITER = "snapshot", "writer"
+
+
+class SaveJob:
+    """One save, from the snapshot to the commit.
+
+    The order of calls:
+
+    1. ``SaveJob(...)``, by :func:`~asyncstore.save` once the target's sink is open. The
+       pickled structure is encoded at once, so that the file offset of every chunk after
+       it is known while the chunks stay raw (slabs place each at its offset modulo 4096).
+    2. :meth:`start` starts the writer, the task the :class:`SaveHandle` wraps: it writes
+       the header and the structure, then waits for segments.
+    3. :meth:`snapshot`, which the caller awaits: every storage is cut into pieces placed
+       in slabs; each full slab (a *segment*) gets its copy (:class:`Copier`) and an
+       encoder task, queued for the writer in file order. It returns once every byte is
+       copied: the caller may then change its tensors.
+    4. Encoders wait for the gate (opened once the snapshot is taken, or as soon as the
+       pool runs dry and slabs must be written to come back), then checksum and compress
+       their segment on a worker thread.
+    5. The writer writes the segments in queue order, then the manifest and the footer,
+       and commits.
+    6. Whichever of the snapshot and the writer ends last runs :meth:`_close`, the one
+       place that lets go of what the save holds, on every path: the copy and encoder
+       tasks (each ends once its thread does), the slabs, the sink (aborted unless the
+       save committed) and the target.
+
+    Who owns a staging slab, and when it goes back to the pool:
+
+    1. The snapshot takes it from the pool and enters it in ``_held``: from then the job
+       owns it, and only the job gives it back.
+    2. A copy thread or a GPU's side stream fills it; the snapshot waits for every copy
+       thread before it returns. One encoder thread then reads it (after the side
+       stream's copies, by their events).
+    3. The writer hands views of it to the sink (a local file may take them straight from
+       the slab, ``O_DIRECT``). Once the segment is written the writer gives the slab back
+       at once, so that a snapshot larger than the pool can go on.
+    4. A save that fails or is cancelled gives every slab still held back in
+       :meth:`_close`: after the snapshot has ended (it may still be copying into slabs)
+       and after every copy and encoder thread has ended.
+    """
+
+    def __init__(
+        self,
+        sink: Sink,
+        structure: bytes,
+        storages: list[SavedStorage],
+        entries: dict[str, list[int]] | None,
+        metadata: dict[str, Any],
+        pool: StagingPool,
+        codecs: Codecs,
+        *,
+        background: bool,
+        release_target: Callable[[], Awaitable[None]],
+    ) -> None:
+        self._sink = sink
+        self._storages = storages
+        self._entries = entries
+        self._metadata = metadata
+        self._pool = pool
+        self._codecs = codecs
+        self._background = background  # encode on low-priority threads
+        self._release_target = release_target
+        self._structure, self._structure_chunk = codecs.encode_structure(structure, len(fmt.MAGIC))
+        self._tasks = TaskSet(f"the save to {sink.url}")  # copies, encoders, slab waits
+        self._queue: asyncio.Queue[asyncio.Task[tuple[Segment, list[Encoded]]] | None]
+        self._queue = asyncio.Queue()
+        self._encoders = asyncio.Semaphore(ENCODERS)
+        self._gate = asyncio.Event()  # set: encoders may run
+        self._held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
+        self._writer: asyncio.Task[SaveResult] | None = None
+        self._snapshot_seconds: float | None = None  # set once the snapshot is taken
+        self._running = {_SNAPSHOT, _WRITER}  # the parts not ended yet; the last one closes
+        self._error: BaseException | None = None  # what ended the save, if anything did
+
+    def start(self, started: float) -> asyncio.Task[SaveResult]:
+        """Start the writer; its task gives the result (``started``: the call's clock)."""
+        self._writer = _WRITERS.spawn(self._write(started), name=f"save to {self._sink.url}")
+        return self._writer
+
+    async def _end(self, part: str, error: BaseException | None) -> None:
+        # The snapshot and the writer each end here, once; the last one closes the save.
+        if error is not None and self._error is None:
+            self._error = error
+        if part not in self._running:
+            return
+        self._running.discard(part)
+        if not self._running:
+            await shield(self._close())
+
+    async def _close(self) -> None:
+        try:
+            # Each copy and encoder ends only once its thread is done with its slab.
+            await self._tasks.aclose()
+            forget_errors(self._unwritten())  # the save's error is the one reported
+            for slab in self._held.values():
+                self._pool.release(slab)
+            self._held.clear()
+            if self._error is not None:
+                with contextlib.suppress(Exception):  # the save's own error is the one to report
+                    await self._sink.abort(self._error)
+        finally:
+            await self._release_target()
+
+    def _unwritten(self) -> list[asyncio.Task[tuple[Segment, list[Encoded]]]]:
+        # Encoders the writer never took from the queue.
+        tasks = []
+        while not self._queue.empty():
+            task = self._queue.get_nowait()
+            if task is not None:
+                tasks.append(task)
+        return tasks
+
+    # -- snapshot (the caller waits for this) -------------------------------------------------
+
+    async def snapshot(self) -> None:
+        """Copy every storage into staging; return once the caller may change its tensors.
+
+        Raises:
+            Exception: a copy's error, or the writer's if it failed meanwhile. The save is
+                then over: nothing committed, everything released.
+        """
+        assert self._writer is not None
+        started = time.perf_counter()
+        devices = {s.storage.device for s in self._storages if s.storage.device.type == "cuda"}
+        error: BaseException | None = None
+        try:
+            copier = Copier(devices, self._tasks)
+            try:
+                await self._plan(copier)
+            finally:
+                await copier.settle()
+            copier.finish()
+            self._snapshot_seconds = time.perf_counter() - started
+            self._gate.set()
+            await self._queue.put(None)
+        except BaseException as exc:
+            error = exc
+            # The writer would wait for segments that will not come.
+            self._writer.cancel()
+            await shield(asyncio.wait([self._writer]))
+            forget_errors([self._writer])  # this error is the one reported
+            self._running.discard(_WRITER)  # one cancelled before its first step never ended
+            raise
+        finally:
+            await shield(self._end(_SNAPSHOT, error))
+
+    async def _plan(self, copier: Copier) -> None:
+        chunk = self._pool.slab_bytes
+        # Where the next chunk lands in the file if every chunk before it stays raw.
+        offset = self._structure_chunk.offset + self._structure_chunk.stored
+        segment: Segment | None = None
+        for saved in self._storages:
+            source = storage_bytes(saved.storage)
+            index = start = 0
+            while start < saved.nbytes:
+                size = min(chunk, saved.nbytes - start)
+                room = 0 if segment is None else self._room(segment)
+                if size > room:
+                    if room >= min(_MIN_SPLIT, chunk // 4):
+                        size = room  # fill the slab: this chunk ends where it does
+                    else:
+                        if segment is not None:
+                            await self._submit(segment, copier)
+                        segment = await self._segment(copier, offset)
+                        # A pinned slab has nothing to spare beyond chunk_bytes: after its
+                        # base, a full chunk may have to end early.
+                        size = min(size, self._room(segment))
+                assert segment is not None
+                piece = Piece(saved, index, segment.used, size, source[start : start + size])
+                segment.pieces.append(piece)
+                segment.used += size
+                offset += size
+                start += size
+                index += 1
+        if segment is not None:
+            await self._submit(segment, copier)
+        copier.dispatch()
+
+    def _room(self, segment: Segment) -> int:
+        # Bytes the segment can still take: chunk_bytes from its base, within its slab.
+        chunk = self._pool.slab_bytes
+        return min(chunk - (segment.used - segment.base), len(segment.slab) - segment.used)
+
+    async def _segment(self, copier: Copier, offset: int) -> Segment:
+        # A new segment whose first piece lands at ``offset`` in the file.
+        assert self._writer is not None
+        slab = None if self._writer.done() else self._pool.try_acquire()
+        if slab is None:  # later saves rarely get here: no waiting, no task
+            slab = await self._wait_for_slab(copier)
+        self._held[id(slab)] = slab
+        base = offset % ALIGN
+        return Segment(slab, base, used=base)
+
+    async def _wait_for_slab(self, copier: Copier) -> torch.Tensor:
+        assert self._writer is not None
+        copier.dispatch()  # about to wait: copy what is planned meanwhile
+        if not self._pool.can_acquire():
+            self._gate.set()  # slabs come back only once written: start the pipeline now
+        # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
+        acquire = self._tasks.spawn(self._pool.acquire(), name="wait for a staging slab")
+        try:
+            await asyncio.wait((acquire, self._writer), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not acquire.done():
+                acquire.cancel()
+                await asyncio.wait([acquire])
+            if not acquire.cancelled() and acquire.exception() is None:
+                # Held at once, whatever ends this wait: the job's close gives it back.
+                slab = acquire.result()
+                self._held[id(slab)] = slab
+        if self._writer.done():
+            self._writer.result()  # raises the writer's error
+            raise AsyncStoreError(f"the save to {self._sink.url} stopped writing")
+        return acquire.result()  # or the allocation's error
+
+    async def _submit(self, segment: Segment, copier: Copier) -> None:
+        copier.add(segment)
+        name = f"encode {len(segment.pieces)} chunk(s)"
+        await self._queue.put(self._tasks.spawn(self._encode(segment), name=name))
+
+    # -- encode (worker threads) ---------------------------------------------------------------
+
+    async def _encode(self, segment: Segment) -> tuple[Segment, list[Encoded]]:
+        # The caller is waiting for the snapshot: encoding and writing start when it is
+        # taken (so that the copies have the CPU and memory bandwidth to themselves), or
+        # as soon as the pool runs dry and slabs must be written to come back.
+        await self._gate.wait()
+        if segment.copied is not None:
+            await wait_shared(segment.copied)
+        # While the snapshot is still waiting for slabs (a state larger than the pool),
+        # the caller waits for this encoding too: it runs at normal priority then.
+        background = self._background and self._snapshot_seconds is not None
+        encoded = await to_thread(
+            self._encode_sync, segment, limiter=self._encoders, background=background
+        )
+        return segment, encoded
+
+    def _encode_sync(self, segment: Segment) -> list[Encoded]:
+        for event in segment.ready:
+            event.synchronize()
+        return [
+            self._codecs.encode(piece.storage, byte_view(segment.slab, piece.start, piece.size))
+            for piece in segment.pieces
+        ]
+
+    # -- write (in order) ----------------------------------------------------------------------
+
+    async def _write(self, started: float) -> SaveResult:
+        error: BaseException | None = None
+        try:
+            return await self._write_all(started)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            await shield(self._end(_WRITER, error))
+
+    async def _write_all(self, started: float) -> SaveResult:
+        out = _Layout(self._sink, self._storages)
+        await out.append(fmt.MAGIC)  # the header: what the object is, from its first bytes
+        offset = await out.append(self._structure)
+        assert offset == self._structure_chunk.offset
+        while (task := await self._queue.get()) is not None:
+            segment, encoded = await task
+            await out.append_segment(segment, encoded)
+            del encoded  # views of the slab: gone before it is reused
+            if self._held.pop(id(segment.slab), None) is not None:
+                self._pool.release(segment.slab)
+        raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages)
+        manifest = fmt.Manifest(
+            format=fmt.FORMAT_VERSION,
+            created=time.time(),
+            metadata=self._metadata,
+            structure=self._structure_chunk,
+            storages=[
+                fmt.Storage(
+                    id=s.id,
+                    nbytes=s.nbytes,
+                    dtype=dtype_name(s.dtype),
+                    location=s.location,
+                    name=s.name,
+                    chunks=out.chunks[s.id],
+                )
+                for s in self._storages
+            ],
+            entries=self._entries,
+            raw_bytes=raw_bytes,
+            stored_bytes=out.position,
+            digest=0,
+        )
+        manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
+        encoded_manifest = fmt.encode_manifest(manifest)
+        manifest_offset = await out.append(encoded_manifest)
+        footer = fmt.Footer(
+            version=fmt.FORMAT_VERSION,
+            flags=0,
+            manifest_offset=manifest_offset,
+            manifest_length=len(encoded_manifest),
+            manifest_xxh3=xxhash.xxh3_64_intdigest(encoded_manifest),
+        )
+        await out.append(fmt.encode_footer(footer))
+        await out.commit()
+        self._codecs.record_speed(out.written, out.write_seconds)
+        assert self._snapshot_seconds is not None  # the queue ends once the snapshot is taken
+        return SaveResult(
+            url=self._sink.url,
+            raw_bytes=raw_bytes,
+            stored_bytes=out.written,
+            storages=len(self._storages),
+            chunks=1 + sum(len(c) for c in out.chunks.values()),
+            compressed_storages=sum(
+                any(c.codec != "raw" for c in chunks) for chunks in out.chunks.values()
+            ),
+            snapshot_seconds=self._snapshot_seconds,
+            total_seconds=time.perf_counter() - started,
+            digest=f"{manifest.digest:016x}",
+            direct_bytes=self._sink.direct_bytes,
+        )
+
+
+class _Layout:
+    """A checkpoint's bytes going into its sink in order: where each chunk lands, and how
+    fast the sink takes them."""
+
+    def __init__(self, sink: Sink, storages: list[SavedStorage]) -> None:
+        self.sink = sink
+        self.chunks: dict[int, list[fmt.Chunk]] = {s.id: [] for s in storages}
+        self.position = 0  # bytes laid out (ahead of written while small ones are gathered)
+        self.written = 0  # bytes handed to the sink
+        self.write_seconds = 0.0
+
+    async def _put(self, data: memoryview | bytes | bytearray) -> None:
+        started = time.perf_counter()
+        await self.sink.write(data)
+        self.write_seconds += time.perf_counter() - started
+        self.written += len(data)
+
+    async def append(self, data: memoryview | bytes) -> int:
+        """Write ``data`` (header, structure, manifest, footer) now; its offset."""
+        offset = self.position
+        self.position += len(data)
+        await self._put(data)
+        return offset
+
+    async def append_segment(self, segment: Segment, encoded: list[Encoded]) -> None:
+        """Write a segment's chunks, and record where each landed."""
+        # Few large writes, not one per chunk (a model has hundreds of small tensors, and a
+        # write can cost a thread hop): raw chunks lie one after another in the slab, so a
+        # run of them goes out as one view of it; small compressed ones are gathered.
+        run: tuple[int, int] | None = None  # [start, end) in the slab
+        small = bytearray()
+        for piece, item in zip(segment.pieces, encoded, strict=True):
+            self.chunks[piece.storage.id].append(
+                fmt.Chunk(
+                    self.position,
+                    len(item.stored),
+                    piece.size,
+                    item.codec,
+                    item.stored_xxh3,
+                    item.raw_xxh3,
+                )
+            )
+            self.position += len(item.stored)
+            if item.codec == "raw":
+                if small:
+                    await self._put(small)
+                    small = bytearray()
+                start, end = piece.start, piece.start + piece.size
+                if run is not None and run[1] == start:
+                    run = (run[0], end)
+                    continue
+                if run is not None:
+                    await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                run = (start, end)
+                continue
+            if run is not None:
+                await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                run = None
+            if len(item.stored) >= _SMALL_WRITE:
+                if small:
+                    await self._put(small)
+                    small = bytearray()
+                await self._put(item.stored)
+            else:
+                small += item.stored
+        if run is not None:
+            await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+        if small:
+            await self._put(small)
+
+    async def commit(self) -> None:
+        """Make the checkpoint appear: fsync and rename, or the multipart completion."""
+        started = time.perf_counter()
+        await self.sink.commit()
+        self.write_seconds += time.perf_counter() - started

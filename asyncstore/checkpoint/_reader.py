@@ -1,0 +1,257 @@
+"""Reading a checkpoint's bytes: the manifest, then only the chunks needed, each verified.
+
+:class:`ChunkReader` reads chunks into the memory they decode to (a tensor's storage),
+consecutive chunks in one read, and checks every one against its checksums before use.
+:func:`~asyncstore.checkpoint.load` decides which chunks to read and what to build from
+them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import torch
+import xxhash
+
+from .._concurrency import TaskSet, to_thread
+from .._iov import IOV_MAX, advance
+from ..errors import IntegrityError, UnsafeCheckpoint
+from . import _format as fmt
+from ._staging import byte_view
+from ._target import Source, StoreSource
+
+__all__ = [
+    "ChunkRead",
+    "ChunkReader",
+    "available_memory",
+    "check_memory",
+    "fixed_storage",
+    "manifest_of",
+]
+
+# Chunks read at once: enough to keep S3 busy, few enough to bound memory.
+_READS = 8
+
+
+async def manifest_of(source: Source) -> fmt.Manifest | None:
+    """The checkpoint's manifest, verified; None for an object that is not one of ours."""
+    size = await source.size()
+    if size < fmt.FOOTER_SIZE:
+        return None
+    footer = fmt.decode_footer(await source.read(size - fmt.FOOTER_SIZE, size), source.url)
+    if footer is None:
+        return None
+    end = footer.manifest_offset + footer.manifest_length
+    if end > size - fmt.FOOTER_SIZE:
+        raise IntegrityError(f"{source.url}: the footer points past the end of the checkpoint")
+    data = await source.read(footer.manifest_offset, end)
+    return fmt.decode_manifest(data, footer, source.url)
+
+
+# Consecutive chunks are read together up to this many bytes: one read and one thread hop
+# per span rather than per chunk (a model has hundreds of small tensors).
+_SPAN = 32 * 1024 * 1024
+
+
+class ChunkRead:
+    """A chunk to read, where its decoded bytes go, and what it is (for messages)."""
+
+    __slots__ = ("chunk", "out", "what")
+
+    def __init__(self, chunk: fmt.Chunk, out: memoryview, what: str) -> None:
+        self.chunk, self.out, self.what = chunk, out, what
+
+
+class ChunkReader:
+    """Reads and verifies chunks of the checkpoint whose manifest is ``manifest``."""
+
+    def __init__(self, source: Source, manifest: fmt.Manifest) -> None:
+        self.source = source
+        self.manifest = manifest
+        self.reads = asyncio.Semaphore(_READS)
+        self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+
+    def _check(self, stored: memoryview | bytes, target: ChunkRead) -> None:
+        chunk = target.chunk
+        if len(stored) != chunk.stored or xxhash.xxh3_64_intdigest(stored) != chunk.stored_xxh3:
+            raise IntegrityError(
+                f"{self.source.url}: {target.what} (bytes {chunk.offset}-"
+                f"{chunk.offset + chunk.stored}) does not match its checksum: the checkpoint is "
+                "damaged; load an earlier one"
+            )
+
+    def _decode(self, stored: memoryview | bytes, target: ChunkRead) -> None:
+        self._check(stored, target)
+        chunk = target.chunk
+        try:
+            fmt.decode_into(stored, chunk.codec, target.out)
+        except IntegrityError as exc:
+            raise IntegrityError(
+                f"{self.source.url}: {target.what} cannot be decoded: {exc}"
+            ) from None
+        if chunk.codec != "raw" and xxhash.xxh3_64_intdigest(target.out) != chunk.raw_xxh3:
+            raise IntegrityError(
+                f"{self.source.url}: {target.what} decodes to bytes that do not match their "
+                "checksum"
+            )
+
+    def _decode_span(
+        self, data: memoryview | bytes | bytearray, start: int, span: list[ChunkRead]
+    ) -> None:
+        view = memoryview(data)
+        for target in span:
+            offset = target.chunk.offset - start
+            self._decode(view[offset : offset + target.chunk.stored], target)
+
+    def _read_local(self, start: int, end: int, span: list[ChunkRead]) -> None:
+        # Straight from the file: raw chunks land in their tensors with one copy (preadv
+        # scatters the span into them), then are verified where they lie.
+        assert isinstance(self.source, StoreSource)
+        fd = self.source.fd()  # the file the manifest came from
+        if all(t.chunk.codec == "raw" for t in span):
+            buffers = [t.out for t in span]
+            position = start
+            while buffers:
+                got = os.preadv(fd, buffers[:IOV_MAX], position)
+                if got == 0:
+                    raise IntegrityError(
+                        f"{self.source.url} ends at byte {position}, before its chunks do"
+                    )
+                position += got
+                advance(buffers, got)
+            for target in span:
+                self._check(target.out, target)
+            return
+        data = bytearray(end - start)
+        got = os.preadv(fd, [data], start)
+        while got < len(data):
+            more = os.preadv(fd, [memoryview(data)[got:]], start + got)
+            if more == 0:
+                raise IntegrityError(f"{self.source.url} ends at byte {start + got}")
+            got += more
+        self._decode_span(data, start, span)
+
+    async def _span(self, span: list[ChunkRead]) -> None:
+        start = span[0].chunk.offset
+        end = span[-1].chunk.offset + span[-1].chunk.stored
+        if self.source.local_path is not None:
+            await to_thread(self._read_local, start, end, span, limiter=self.decoders)
+            return
+        async with self.reads:
+            data = await self.source.read(start, end)
+        await to_thread(self._decode_span, data, start, span, limiter=self.decoders)
+
+    async def read(self, targets: list[ChunkRead]) -> None:
+        """Read and verify every target, consecutive chunks together."""
+        targets = sorted(targets, key=lambda t: t.chunk.offset)
+        spans: list[list[ChunkRead]] = []
+        for target in targets:
+            last = spans[-1] if spans else None
+            if (
+                last is not None
+                and last[-1].chunk.offset + last[-1].chunk.stored == target.chunk.offset
+                and target.chunk.offset + target.chunk.stored - last[0].chunk.offset <= _SPAN
+            ):
+                last.append(target)
+            else:
+                spans.append([target])
+        # All or nothing: the first error cancels the rest and is raised as it is. Each
+        # read ends only once its thread is done with the tensors it fills.
+        tasks = TaskSet(f"the load of {self.source.url}")
+        try:
+            await asyncio.gather(
+                *(tasks.spawn(self._span(span), name="read chunks") for span in spans)
+            )
+        finally:
+            await tasks.aclose()
+
+    async def structure(self) -> bytes:
+        chunk = self.manifest.structure
+        check_memory(chunk.raw, self.source.url, "its pickled structure")
+        out = bytearray(chunk.raw)
+        # One read from the start: the header, then the structure right after it.
+        data = await self.source.read(0, chunk.offset + chunk.stored)
+        if data[: len(fmt.MAGIC)] != fmt.MAGIC:
+            raise IntegrityError(f"{self.source.url}: the checkpoint's header is damaged")
+        target = ChunkRead(chunk, memoryview(out), "the pickled structure")
+        self._decode(memoryview(data)[chunk.offset :], target)
+        return bytes(out)
+
+    async def storages(self, entries: list[fmt.Storage]) -> dict[int, torch.UntypedStorage]:
+        """Each entry's storage, read and verified (on the CPU)."""
+        out: dict[int, torch.UntypedStorage] = {}
+        targets: list[ChunkRead] = []
+        check_memory(sum(entry.nbytes for entry in entries), self.source.url)
+        for entry in entries:
+            storage, memory = fixed_storage(entry.nbytes)
+            position = 0
+            for index, chunk in enumerate(entry.chunks):
+                if position + chunk.raw > entry.nbytes:
+                    raise IntegrityError(
+                        f"{self.source.url}: tensor {entry.name!r} overflows its storage"
+                    )
+                what = f"chunk {index} of tensor {entry.name!r}"
+                targets.append(ChunkRead(chunk, memory[position : position + chunk.raw], what))
+                position += chunk.raw
+            if position != entry.nbytes:
+                raise IntegrityError(
+                    f"{self.source.url}: tensor {entry.name!r} has {position} of "
+                    f"{entry.nbytes} bytes"
+                )
+            out[entry.id] = storage
+        await self.read(targets)
+        return out
+
+
+def fixed_storage(nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:
+    """A CPU storage of exactly ``nbytes`` that cannot grow, and a writable view of it.
+
+    torch's own storages are resizable: ``set_`` with a view larger than the storage grows
+    it, and the new bytes are whatever the allocator had. A storage made over a Python
+    buffer cannot be resized (``torch.load``'s cannot either), so a view past the end fails
+    instead of exposing memory. The buffer is a ctypes array over memory from torch's
+    allocator, which it keeps alive: freed and reused like any tensor's, so loading again
+    costs no fresh page faults. (An empty storage is resizable: views are checked against
+    it before they are built.)
+    """
+    if nbytes == 0:
+        return torch.UntypedStorage(0), memoryview(bytearray())  # type: ignore[no-untyped-call]
+    owner = torch.empty(nbytes, dtype=torch.uint8)
+    memory = byte_view(owner)
+    # The ctypes array under the view keeps the tensor that owns the memory alive, and the
+    # storage keeps the array alive: the memory goes back to torch with the storage.
+    memory.obj._owner = owner  # type: ignore[attr-defined]
+    return torch.frombuffer(memory, dtype=torch.uint8).untyped_storage(), memory
+
+
+# Allocations from this size on are checked against the memory the machine has free.
+_CHECKED_FROM = 64 * 1024 * 1024
+
+
+def available_memory() -> int | None:
+    """Bytes this machine can still give a process (available RAM plus free swap), or
+    ``None`` where that cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return sum(int(fields[name].split()[0]) * 1024 for name in (b"MemAvailable", b"SwapFree"))
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def check_memory(needed: int, url: str, what: str = "its tensors") -> None:
+    """Raise :class:`UnsafeCheckpoint` if ``needed`` bytes are more than this machine has
+    available (sizes under 64 MiB are not checked)."""
+    # Before allocating: a manifest (damaged, crafted, or simply too large for this machine)
+    # must not get the process killed by the OOM killer halfway through a load. into= asks
+    # once per storage: small ones are not worth reading /proc/meminfo for.
+    if needed < _CHECKED_FROM:
+        return
+    available = available_memory()
+    if available is not None and needed > available:
+        raise UnsafeCheckpoint(
+            f"loading {url} needs {needed / 2**30:,.1f} GiB for {what} but this machine "
+            f"has {available / 2**30:,.1f} GiB available: load some entries with keys=, fill "
+            "existing tensors in place with into=, or load on a larger machine"
+        )
