@@ -30,10 +30,10 @@ def _sample(index: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-async def _demo(url: str, count: int, size: int, concurrency: int) -> None:
+async def _demo(url: str, count: int, size: int, max_inflight: int) -> None:
     async with open_store(url) as store:
         print(f"store: {store.url}")
-        limit = asyncio.Semaphore(concurrency)
+        limit = asyncio.Semaphore(max_inflight)
 
         async def put(i: int) -> None:
             async with limit:
@@ -75,7 +75,7 @@ async def _demo(url: str, count: int, size: int, concurrency: int) -> None:
             for i in range(8):
                 await writer.write(_sample(i, size))
         streamed = 0
-        async with store.open_reader("demo/stream.bin", chunk_size=size) as reader:
+        async with store.open_reader("demo/stream.bin", chunk_bytes=size) as reader:
             async for chunk in reader:
                 streamed += len(chunk)
         print(f"stream  wrote and read back {streamed} bytes through a writer and a reader")
@@ -95,12 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     demo.add_argument("--objects", type=int, default=500, help="how many objects (default 500)")
     demo.add_argument("--size", type=int, default=50_000, help="bytes per object (default 50000)")
-    demo.add_argument("--concurrency", type=int, default=32, help="requests in flight (default 32)")
+    demo.add_argument(
+        "--max-inflight", type=int, default=32, help="requests in flight (default 32)"
+    )
     args = parser.parse_args(argv)
-    if args.objects < 1 or args.size < 1 or args.concurrency < 1:
-        parser.error("--objects, --size and --concurrency must be positive")
+    if args.objects < 1 or args.size < 1 or args.max_inflight < 1:
+        parser.error("--objects, --size and --max-inflight must be positive")
     try:
-        asyncio.run(_demo(args.url, args.objects, args.size, args.concurrency))
+        asyncio.run(_demo(args.url, args.objects, args.size, args.max_inflight))
     except AsyncStoreError as exc:
         print(f"asyncstore: {exc}", file=sys.stderr)
         return 1

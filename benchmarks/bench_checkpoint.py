@@ -415,7 +415,7 @@ def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
     server.start()
     try:
         server.create_bucket(BUCKET)
-        options = server.store_options(part_size=16 * MiB, upload_concurrency=4)
+        options = server.store_options(part_bytes=16 * MiB, upload_max_inflight=4)
         payload = b"".join(storage_bytes(state))
 
         async def handwritten(key: str) -> float:

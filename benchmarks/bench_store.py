@@ -69,7 +69,7 @@ async def asyncstore_small(
 ) -> tuple[float, float]:
     url = f"s3://{BUCKET}/{prefix}"
     async with asyncstore.open_store(
-        url, **server.store_options(max_concurrency=concurrency)
+        url, **server.store_options(max_inflight=concurrency)
     ) as store:
         # The store bounds requests in flight itself; the caller just starts them all.
         async def put_all() -> None:
@@ -187,8 +187,8 @@ def main() -> int:
                         server,
                         "large-hand",
                         data,
-                        defaults.upload_concurrency,
-                        defaults.max_concurrency,
+                        defaults.upload_max_inflight,
+                        defaults.max_inflight,
                     )
                 )
                 hand_put.append(p)
@@ -208,8 +208,8 @@ def main() -> int:
             hp, hg = statistics.median(hand_put), statistics.median(hand_get)
             op, og = statistics.median(ours_put), statistics.median(ours_get)
             say(
-                f"| hand-written aiobotocore loop (baseline; {defaults.upload_concurrency} parts "
-                f"/ {defaults.max_concurrency} ranges in flight) | {mb / hp:,.0f} | "
+                f"| hand-written aiobotocore loop (baseline; {defaults.upload_max_inflight} parts "
+                f"/ {defaults.max_inflight} ranges in flight) | {mb / hp:,.0f} | "
                 f"{mb / hg:,.0f} |"
             )
             say(f"| asyncstore `put` / `get` (defaults) | {mb / op:,.0f} | {mb / og:,.0f} |")

@@ -40,7 +40,7 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
 
 def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:
     """Options that reach ``server`` directly, with a small part size to exercise multipart."""
-    options = server.store_options(part_size=5 * MiB)
+    options = server.store_options(part_bytes=5 * MiB)
     options.update(overrides)
     return options
 

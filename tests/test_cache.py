@@ -478,9 +478,9 @@ async def test_key_lists_are_not_strings(source: CountingStore) -> None:
             with pytest.raises(InvalidArgument, match=r"keys='obj/001'"):
                 method("obj/001")
         for bad in (0, -1, True, 1.5, None):
-            with pytest.raises(InvalidArgument, match=r"^concurrency="):
-                # Bounded: an unchecked concurrency=0 waits forever on a zero semaphore.
-                await asyncio.wait_for(cache.warm(["obj/001"], concurrency=bad), 10)  # type: ignore[arg-type]
+            with pytest.raises(InvalidArgument, match=r"^max_inflight="):
+                # Bounded: an unchecked max_inflight=0 waits forever on a zero semaphore.
+                await asyncio.wait_for(cache.warm(["obj/001"], max_inflight=bad), 10)  # type: ignore[arg-type]
         assert source.gets == []
 
 
@@ -496,4 +496,4 @@ async def test_warm_raises_the_stores_error(source: CountingStore) -> None:
 
         with pytest.raises(NotFound, match="missing/2"):
             await cache.warm(keys())
-        assert await cache.warm([f"obj/{i:03d}" for i in range(20)], concurrency=3) == 20
+        assert await cache.warm([f"obj/{i:03d}" for i in range(20)], max_inflight=3) == 20

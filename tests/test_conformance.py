@@ -364,7 +364,7 @@ async def test_writer_used_outside_block(store: asyncstore.Store) -> None:
 async def test_streaming_reader(store: asyncstore.Store, size: int) -> None:
     data = os.urandom(size)
     await store.put("r", data)
-    async with store.open_reader("r", chunk_size=MiB) as reader:
+    async with store.open_reader("r", chunk_bytes=MiB) as reader:
         assert reader.info is not None
         assert reader.info.size == size
         chunks = [chunk async for chunk in reader]
@@ -376,13 +376,13 @@ async def test_streaming_reader(store: asyncstore.Store, size: int) -> None:
 async def test_reader_without_context_manager(store: asyncstore.Store) -> None:
     await store.put("r", b"abc" * 1000)
     data = b"abc" * 1000
-    chunks = [chunk async for chunk in store.open_reader("r", chunk_size=1000)]
+    chunks = [chunk async for chunk in store.open_reader("r", chunk_bytes=1000)]
     assert chunks == [data[:1000], data[1000:2000], data[2000:]]
 
 
 async def test_reader_early_exit_closes(store: asyncstore.Store) -> None:
     await store.put("r", os.urandom(4 * MiB))
-    async with store.open_reader("r", chunk_size=MiB) as reader:
+    async with store.open_reader("r", chunk_bytes=MiB) as reader:
         async for _chunk in reader:
             break
     with pytest.raises(StoreClosed):
@@ -390,8 +390,8 @@ async def test_reader_early_exit_closes(store: asyncstore.Store) -> None:
 
 
 async def test_reader_bad_chunk_size(store: asyncstore.Store) -> None:
-    with pytest.raises(InvalidArgument, match="chunk_size=0"):
-        store.open_reader("r", chunk_size=0)
+    with pytest.raises(InvalidArgument, match="chunk_bytes=0"):
+        store.open_reader("r", chunk_bytes=0)
 
 
 async def test_closed_store(open_kind: Any) -> None:

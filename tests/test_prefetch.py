@@ -287,7 +287,7 @@ async def test_early_exit_releases_every_slot_and_connection(seaweedfs: SeaweedF
     # 16 reads in flight on a store allowing 8 requests at once, abandoned by an early exit:
     # if a cancelled read kept its request slot or its connection, the store would hang.
     url = f"s3://{BUCKET}/{unique()}"
-    async with asyncstore.open_store(url, **s3_options(seaweedfs, max_concurrency=8)) as store:
+    async with asyncstore.open_store(url, **s3_options(seaweedfs, max_inflight=8)) as store:
         assert isinstance(store, asyncstore.S3Store)
         await asyncio.gather(*(store.put(f"o{i:03d}", os.urandom(200_000)) for i in range(40)))
         for _ in range(3):

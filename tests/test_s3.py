@@ -23,7 +23,7 @@ def open_s3(server: SeaweedFS, url: str | None = None, **overrides: Any) -> asyn
 
 
 async def test_multipart_writer_uploads_parts_and_leaves_no_upload(seaweedfs: SeaweedFS) -> None:
-    async with open_s3(seaweedfs, upload_concurrency=2) as store:
+    async with open_s3(seaweedfs, upload_max_inflight=2) as store:
         data = os.urandom(23 * MiB + 11)  # five parts of 5 MiB, the last one short
         async with store.open_writer("mp/obj") as writer:
             for offset in range(0, len(data), 3 * MiB):
@@ -93,7 +93,7 @@ async def test_object_overwritten_during_a_streaming_read(seaweedfs: SeaweedFS) 
     async with open_s3(seaweedfs) as store:
         first = os.urandom(3 * MiB)
         await store.put("v", first)
-        async with store.open_reader("v", chunk_size=MiB) as reader:
+        async with store.open_reader("v", chunk_bytes=MiB) as reader:
             head = await reader.__anext__()
             await store.put("v", os.urandom(3 * MiB))
             rest = b"".join([chunk async for chunk in reader])

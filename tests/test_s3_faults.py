@@ -84,7 +84,7 @@ async def test_streaming_reader_resumes_after_a_reset(
         await store.put("stream", data)
         requests_before = faults.requests
         faults.reset_next(1, after_bytes=2 * MiB + 123)
-        async with store.open_reader("stream", chunk_size=MiB) as reader:
+        async with store.open_reader("stream", chunk_bytes=MiB) as reader:
             received = b"".join([chunk async for chunk in reader])
         assert received == data
         assert faults.resets == 1
@@ -94,7 +94,7 @@ async def test_streaming_reader_resumes_after_a_reset(
 async def test_multipart_upload_survives_part_failures(
     faults: FaultProxy, seaweedfs: SeaweedFS
 ) -> None:
-    async with through(faults, seaweedfs, upload_concurrency=3) as store:
+    async with through(faults, seaweedfs, upload_max_inflight=3) as store:
         data = os.urandom(16 * MiB)
         faults.fail_next(1)  # CreateMultipartUpload
         async with store.open_writer("mp") as writer:
@@ -171,7 +171,7 @@ async def test_stopped_server_fails_fast(tmp_path: Path) -> None:
 async def test_writer_failing_mid_stream_leaves_nothing(
     faults: FaultProxy, seaweedfs: SeaweedFS
 ) -> None:
-    async with through(faults, seaweedfs, upload_concurrency=1, max_attempts=2) as store:
+    async with through(faults, seaweedfs, upload_max_inflight=1, max_attempts=2) as store:
         assert isinstance(store, asyncstore.S3Store)
         prefix = store.url.removeprefix(f"s3://{BUCKET}/")
         with pytest.raises(StoreUnavailable):
@@ -202,11 +202,11 @@ async def test_writer_never_commits_after_a_failed_write(
 
 
 async def test_abandoned_reader_gives_its_slot_back(seaweedfs: SeaweedFS) -> None:
-    options = s3_options(seaweedfs, max_concurrency=1)
+    options = s3_options(seaweedfs, max_inflight=1)
     async with asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **options) as store:
         await store.put("r", os.urandom(3 * MiB))
         with pytest.warns(ResourceWarning, match="not closed"):
-            async for _chunk in store.open_reader("r", chunk_size=MiB):
+            async for _chunk in store.open_reader("r", chunk_bytes=MiB):
                 break  # no 'async with': the reader is dropped open
             gc.collect()
         with anyio.fail_after(10):

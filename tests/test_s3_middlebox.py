@@ -31,7 +31,7 @@ Read = Callable[[asyncstore.Store], Awaitable[bytes]]
 
 
 async def _reader(store: asyncstore.Store, key: str) -> bytes:
-    async with store.open_reader(key, chunk_size=50_000) as reader:
+    async with store.open_reader(key, chunk_bytes=50_000) as reader:
         return b"".join([chunk async for chunk in reader])
 
 

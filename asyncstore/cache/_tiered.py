@@ -419,7 +419,7 @@ class TieredCache(AsyncResource):
             return await self._fetch_store(key, None, None), None
         # One GET gives the bytes and the ETag of the same version.
         started = time.monotonic()
-        async with self._store.open_reader(key, chunk_size=64 * MiB) as reader:
+        async with self._store.open_reader(key, chunk_bytes=64 * MiB) as reader:
             data = b"".join([chunk async for chunk in reader])
             info = reader.info
         self._record_fetch(started, len(data))
@@ -590,11 +590,11 @@ class TieredCache(AsyncResource):
 
     # -- management --------------------------------------------------------------------------
 
-    async def warm(self, keys: Iterable[str] | AsyncIterable[str], concurrency: int = 32) -> int:
-        """Read ``keys`` into the cache, ``concurrency`` at a time; returns how many were read.
+    async def warm(self, keys: Iterable[str] | AsyncIterable[str], max_inflight: int = 32) -> int:
+        """Read ``keys`` into the cache, ``max_inflight`` at a time; returns how many were read.
 
         Raises:
-            InvalidArgument: ``keys`` is a single str (or not iterable), or ``concurrency`` is
+            InvalidArgument: ``keys`` is a single str (or not iterable), or ``max_inflight`` is
                 not a positive int.
             AsyncStoreError: the first error a read raised (``NotFound``, ``InvalidKey``…),
                 as itself, not inside an ``ExceptionGroup``; the reads still running are
@@ -602,8 +602,8 @@ class TieredCache(AsyncResource):
                 with other readers of the key.)
         """
         _key_list(keys, "warm")
-        _positive("concurrency", concurrency, unit="reads at once, for example 32")
-        limit = anyio.Semaphore(concurrency)
+        _positive("max_inflight", max_inflight, unit="reads at once, for example 32")
+        limit = anyio.Semaphore(max_inflight)
         count = 0
         errors: list[Exception] = []
 

@@ -3,7 +3,7 @@
 :func:`open_store` turns a URL into a store; every store implements :class:`Store`.
 """
 
-from ._base import DEFAULT_CHUNK_SIZE, ObjectInfo, Reader, Store, Writer
+from ._base import DEFAULT_CHUNK_BYTES, ObjectInfo, Reader, Store, Writer
 from ._capabilities import CleansUpWrites, LocalFiles, PinnedReads
 from ._open import open_store
 from .local import LocalConfig, LocalStore
@@ -25,5 +25,5 @@ __all__ = [
     "S3Store",
     "S3Config",
     "drop_memory_store",
-    "DEFAULT_CHUNK_SIZE",
+    "DEFAULT_CHUNK_BYTES",
 ]

@@ -20,7 +20,7 @@ from .._resource import AsyncResource
 from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._keys import check_key, check_prefix, check_range
 
-DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_CHUNK_BYTES = 1 << 20
 """Reader chunk size: 1 MiB amortises the per-chunk await and thread hop while keeping the
 memory a slow consumer pins small."""
 
@@ -228,8 +228,8 @@ class Store(Protocol):
         """Return a :class:`Writer` that streams an object to ``key``; see :class:`Writer`."""
         ...
 
-    def open_reader(self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> Reader:
-        """Return a :class:`Reader` yielding the object in chunks of ``chunk_size`` bytes
+    def open_reader(self, key: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Reader:
+        """Return a :class:`Reader` yielding the object in chunks of ``chunk_bytes`` bytes
         (the last one shorter)."""
         ...
 
@@ -338,16 +338,16 @@ class BaseStore(AsyncResource, abc.ABC):
         self._check_open()
         return self._open_writer(check_key(key, self._url))
 
-    def open_reader(self, key: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> BaseReader:
+    def open_reader(self, key: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> BaseReader:
         """See :meth:`Store.open_reader`."""
         self._check_open()
         key = check_key(key, self._url)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
             raise InvalidArgument(
-                f"chunk_size={chunk_size!r} for {self.where(key)}: pass a positive number of "
+                f"chunk_bytes={chunk_bytes!r} for {self.where(key)}: pass a positive number of "
                 "bytes, for example 1 << 20"
             )
-        return self._open_reader(key, chunk_size)
+        return self._open_reader(key, chunk_bytes)
 
     async def __aenter__(self) -> Self:
         if self._state == "closed":
@@ -377,7 +377,7 @@ class BaseStore(AsyncResource, abc.ABC):
     def _open_writer(self, key: str) -> BaseWriter: ...
 
     @abc.abstractmethod
-    def _open_reader(self, key: str, chunk_size: int) -> BaseReader: ...
+    def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader: ...
 
 
 class BaseWriter(AsyncResource, abc.ABC):
@@ -542,10 +542,10 @@ class BaseReader(AsyncResource, abc.ABC):
     _reopen_hint = "open a new reader with open_reader()"
     _unclosed_hint = "use it in 'async with' or iterate it to the end"
 
-    def __init__(self, store: BaseStore, key: str, chunk_size: int) -> None:
+    def __init__(self, store: BaseStore, key: str, chunk_bytes: int) -> None:
         self._store = store
         self._key = key
-        self._chunk_size = chunk_size
+        self._chunk_bytes = chunk_bytes
         self._info: ObjectInfo | None = None
 
     @property
@@ -569,7 +569,7 @@ class BaseReader(AsyncResource, abc.ABC):
     async def __anext__(self) -> bytes:
         await self._ensure_open()
         try:
-            chunk = await self._read(self._chunk_size)
+            chunk = await self._read(self._chunk_bytes)
         except BaseException:
             await self.aclose()
             raise

@@ -32,7 +32,7 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
             (relative paths are taken from the current directory), or ``s3://bucket[/prefix]``.
         **options: the store's options, checked at once: :class:`LocalConfig` fields for
             local stores, :class:`S3Config` fields for S3 (``endpoint_url``, ``region``,
-            credentials, ``max_concurrency``, ``part_size``, ``max_attempts``, timeouts…).
+            credentials, ``max_inflight``, ``part_bytes``, ``max_attempts``, timeouts…).
 
     Returns:
         The store, an async context manager: use ``async with open_store(...) as store``.
@@ -213,7 +213,7 @@ def _config(cls: type[C], options: dict[str, Any], shown: str) -> C:
         return msgspec.convert(options, cls)
     except msgspec.ValidationError as exc:
         fields = ", ".join(cls.__struct_fields__)
-        # msgspec says "Expected `int` >= 1 - at `$.part_size`": add the value the caller gave.
+        # msgspec says "Expected `int` >= 1 - at `$.part_bytes`": add the value the caller gave.
         match = re.search(r"at `\$\.(\w+)`", str(exc))
         name = match.group(1) if match else None
         secret = name is None or name.startswith("aws_")  # credentials are never echoed

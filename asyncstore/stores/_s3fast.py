@@ -87,7 +87,7 @@ class SignedGetter:
             base,
             credentials,
             client.meta.region_name,
-            connections=config.max_concurrency + 4,
+            connections=config.max_inflight + 4,
             connect_timeout=config.connect_timeout,
             read_timeout=config.read_timeout,
         )

@@ -38,7 +38,7 @@ _TMP_PREFIX = f"{RESERVED_PREFIX}-tmp-"
 class LocalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Options of a local store (``open_store(path, **options)``)."""
 
-    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
+    max_inflight: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 16
     """Worker threads doing file I/O at once. Local NVMe serves many requests in parallel; more
     threads than this mostly add contention on 2-8 core data-loader hosts."""
 
@@ -66,7 +66,7 @@ class LocalStore(BaseStore):
         super().__init__(f"file://{root}")
         self._root = root
         self._config = config or LocalConfig()
-        self._limiter = anyio.CapacityLimiter(self._config.max_concurrency)
+        self._limiter = anyio.CapacityLimiter(self._config.max_inflight)
 
     @property
     def root(self) -> str:
@@ -413,8 +413,8 @@ class LocalStore(BaseStore):
     def _open_writer(self, key: str) -> BaseWriter:
         return _LocalWriter(self, key)
 
-    def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
-        return _LocalReader(self, key, chunk_size)
+    def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader:
+        return _LocalReader(self, key, chunk_bytes)
 
 
 def _write_all(file: IO[bytes], data: memoryview) -> None:
@@ -581,8 +581,8 @@ class _LocalWriter(BaseWriter):
 class _LocalReader(BaseReader):
     _store: LocalStore
 
-    def __init__(self, store: LocalStore, key: str, chunk_size: int) -> None:
-        super().__init__(store, key, chunk_size)
+    def __init__(self, store: LocalStore, key: str, chunk_bytes: int) -> None:
+        super().__init__(store, key, chunk_bytes)
         self._file: IO[bytes] | None = None
 
     def _open_sync(self) -> ObjectInfo:

@@ -116,8 +116,8 @@ class MemoryStore(BaseStore):
     def _open_writer(self, key: str) -> BaseWriter:
         return _MemoryWriter(self, key)
 
-    def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
-        return _MemoryReader(self, key, chunk_size)
+    def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader:
+        return _MemoryReader(self, key, chunk_bytes)
 
 
 class _MemoryWriter(BaseWriter):
@@ -143,8 +143,8 @@ class _MemoryWriter(BaseWriter):
 class _MemoryReader(BaseReader):
     _store: MemoryStore
 
-    def __init__(self, store: MemoryStore, key: str, chunk_size: int) -> None:
-        super().__init__(store, key, chunk_size)
+    def __init__(self, store: MemoryStore, key: str, chunk_bytes: int) -> None:
+        super().__init__(store, key, chunk_bytes)
         self._data = b""
         self._offset = 0
 

@@ -1,11 +1,11 @@
 """``s3://bucket/prefix``: objects in any S3-compatible server, through aiobotocore.
 
-Requests in flight are bounded by ``max_concurrency``; every request is retried with backoff
+Requests in flight are bounded by ``max_inflight``; every request is retried with backoff
 (:mod:`._retry`) on throttling, server errors, timeouts and broken connections, and never on
 other client errors. botocore's own retries are switched off so that one policy, with one
 attempt count, governs everything.
 
-Large transfers are split into ``part_size`` pieces: a ``get`` of a large object fetches its
+Large transfers are split into ``part_bytes`` pieces: a ``get`` of a large object fetches its
 ranges in parallel, pinned to one version of the object with ``If-Match``; a write becomes a
 multipart upload with several parts in flight, aborted if anything fails.
 """
@@ -71,16 +71,16 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     profile: str | None = None
     """A named profile of the shared AWS config files."""
 
-    max_concurrency: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
+    max_inflight: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 32
     """Requests in flight at once (an open reader holds one). S3 clients degrade beyond about
     32 concurrent requests each: latency climbs while throughput stays flat."""
 
-    part_size: Annotated[int, msgspec.Meta(ge=_MIN_PART, le=_MAX_PART)] = 16 * _MiB
+    part_bytes: Annotated[int, msgspec.Meta(ge=_MIN_PART, le=_MAX_PART)] = 16 * _MiB
     """Size of multipart-upload parts and of the ranges a large ``get`` fetches in parallel.
     16 MiB keeps per-request overhead under a few percent at local-network speeds while a
     failed part costs little to resend."""
 
-    upload_concurrency: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    upload_max_inflight: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     """Parts of one upload in flight at once. A writer holds at most this many parts plus the
     one it is filling: 80 MiB at the defaults."""
 
@@ -328,7 +328,7 @@ class S3Store(BaseStore):
         self._root = f"{prefix}/" if prefix else ""
         self._config = config or S3Config()
         self._endpoint = _resolved_endpoint(self._config)
-        self._slots = anyio.Semaphore(self._config.max_concurrency)
+        self._slots = anyio.Semaphore(self._config.max_inflight)
         self._client: Any = None
         self._client_cm: Any = None
         self._fast: SignedGetter | None = None
@@ -388,7 +388,7 @@ class S3Store(BaseStore):
                     style = "path" if self._endpoint else "auto"
                 config = AioConfig(
                     # A little above our own limit, so a slot never waits for a connection.
-                    max_pool_connections=cfg.max_concurrency + 4,
+                    max_pool_connections=cfg.max_inflight + 4,
                     connect_timeout=cfg.connect_timeout,
                     read_timeout=cfg.read_timeout,
                     retries={"total_max_attempts": 1},  # ours, not botocore's: see module doc
@@ -596,7 +596,7 @@ class S3Store(BaseStore):
         if end is not None and start == end:
             await self._stat(key)  # an empty range still says whether the key exists
             return b""
-        part = self._config.part_size
+        part = self._config.part_bytes
         for _ in range(3):
             first_end = start + part if end is None else min(end, start + part)
             try:
@@ -640,7 +640,7 @@ class S3Store(BaseStore):
     # -- put, stat, delete, list -------------------------------------------------------------
 
     async def _put(self, key: str, data: memoryview) -> ObjectInfo:
-        if len(data) > self._config.part_size:
+        if len(data) > self._config.part_bytes:
             writer = _S3Writer(self, key)
             async with writer:
                 await writer.write_in_place(data)
@@ -747,8 +747,8 @@ class S3Store(BaseStore):
         self._writers.add(writer)
         return writer
 
-    def _open_reader(self, key: str, chunk_size: int) -> BaseReader:
-        return _S3Reader(self, key, chunk_size)
+    def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader:
+        return _S3Reader(self, key, chunk_bytes)
 
 
 def _bytes(view: memoryview) -> bytes:
@@ -779,7 +779,7 @@ def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
 
 class _S3Writer(BaseWriter):
     """Buffers up to one part; a small object becomes one PUT, a large one a multipart upload
-    whose parts upload in background tasks, ``upload_concurrency`` at a time."""
+    whose parts upload in background tasks, ``upload_max_inflight`` at a time."""
 
     _store: S3Store
 
@@ -800,10 +800,10 @@ class _S3Writer(BaseWriter):
         await self._write(data, copy=False)
         self._written += len(data)
 
-    def _part_size(self) -> int:
-        # Grow parts every 1000 so that 10,000 parts reach 55,000 x part_size (880 GiB at
-        # 16 MiB) instead of stopping a long stream at 10,000 x part_size.
-        return self._store.config.part_size * (1 + (self._next_part - 1) // 1000)
+    def _part_bytes(self) -> int:
+        # Grow parts every 1000 so that 10,000 parts reach 55,000 x part_bytes (880 GiB at
+        # 16 MiB) instead of stopping a long stream at 10,000 x part_bytes.
+        return self._store.config.part_bytes * (1 + (self._next_part - 1) // 1000)
 
     def _take_buffer(self) -> bytes:
         data = self._buffer.getvalue()
@@ -813,7 +813,7 @@ class _S3Writer(BaseWriter):
     async def _write(self, data: memoryview, *, copy: bool = True) -> None:
         offset = 0
         while offset < len(data):
-            size = self._part_size()
+            size = self._part_bytes()
             buffered = self._buffer.tell()
             if not buffered and len(data) - offset >= size and not copy:
                 # put() of an in-memory object: each part is one slice of it.
@@ -831,7 +831,7 @@ class _S3Writer(BaseWriter):
             self._upload_id = await self._create()
         # Back-pressure: wait for the oldest part when the window is full, so memory stays
         # bounded and an upload failure surfaces at the next write, not only at the end.
-        limit = self._store.config.upload_concurrency
+        limit = self._store.config.upload_max_inflight
         while sum(not t.done() for t in self._parts) >= limit:
             await asyncio.wait(
                 [t for t in self._parts if not t.done()], return_when=asyncio.FIRST_COMPLETED
@@ -844,7 +844,7 @@ class _S3Writer(BaseWriter):
         if number > _MAX_PARTS:
             raise StoreError(
                 f"{self._store.where(self._key)}: more than {_MAX_PARTS} parts; "
-                "open the store with a larger part_size"
+                "open the store with a larger part_bytes"
             )
         self._parts.append(
             self._uploads.spawn(self._upload_part(number, part), name=f"upload part {number}")
@@ -965,8 +965,8 @@ class _S3Reader(BaseReader):
 
     _store: S3Store
 
-    def __init__(self, store: S3Store, key: str, chunk_size: int) -> None:
-        super().__init__(store, key, chunk_size)
+    def __init__(self, store: S3Store, key: str, chunk_bytes: int) -> None:
+        super().__init__(store, key, chunk_bytes)
         self._body: Any = None
         self._offset = 0
         self._size = 0

@@ -394,7 +394,7 @@ class SeaweedFS:
     def store_options(self, **overrides: Any) -> dict[str, Any]:
         """Options for :func:`asyncstore.open_store` that reach this server directly.
 
-        ``overrides`` replace or add options (``endpoint_url`` of a proxy, ``part_size``…).
+        ``overrides`` replace or add options (``endpoint_url`` of a proxy, ``part_bytes``…).
         """
         return {
             "endpoint_url": self.endpoint_url,
