@@ -18,6 +18,7 @@ from typing import Literal, Self
 import msgspec
 
 from ._concurrency import TaskSet, forget_errors
+from ._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConfig, build
 from ._resource import AsyncResource
 from .cache import TieredCache
 from .cache._stats import LatencyWindow
@@ -40,21 +41,6 @@ _FIRST_FETCHES = 4
 
 # A consumer wait shorter than this is scheduling noise, not a stall.
 _STALL_SECONDS = 0.0005
-
-
-def check_window(lookahead: object, max_inflight: object) -> None:
-    """Raise :class:`InvalidArgument` unless ``lookahead`` and ``max_inflight`` are valid
-    :class:`Prefetcher` arguments (also checked by callers that create one later)."""
-    if lookahead != "auto" and (
-        isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1
-    ):
-        raise InvalidArgument(f"lookahead={lookahead!r}: pass a positive int or 'auto'")
-    _check_positive("max_inflight", max_inflight)
-
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"{name}={value!r}: pass a positive int")
 
 
 class PrefetchStats(msgspec.Struct):
@@ -109,8 +95,8 @@ class Prefetcher(AsyncResource):
         keys: Iterable[str] | AsyncIterable[str],
         *,
         lookahead: int | Literal["auto"] = "auto",
-        max_inflight: int = 32,
-        max_bytes: int = 256 * MiB,
+        max_inflight: int = DEFAULT_MAX_INFLIGHT,
+        max_bytes: int = DEFAULT_PREFETCH_BYTES,
         on_error: Literal["raise", "skip"] = "raise",
     ) -> None:
         if not isinstance(source, Store | TieredCache):
@@ -119,20 +105,26 @@ class Prefetcher(AsyncResource):
             raise InvalidArgument(
                 f"keys={keys!r}: pass an iterable or async iterable of keys, not a single key"
             )
-        check_window(lookahead, max_inflight)
-        _check_positive("max_bytes", max_bytes)
-        if on_error not in ("raise", "skip"):
-            raise InvalidArgument(f"on_error={on_error!r}: use 'raise' or 'skip'")
+        config = self._config = build(
+            PrefetchConfig,
+            {
+                "lookahead": lookahead,
+                "max_inflight": max_inflight,
+                "max_bytes": max_bytes,
+                "on_error": on_error,
+            },
+            "Prefetcher",
+        )
         self._source = source
         self._keys: Iterator[str] | AsyncIterator[str] = (
             aiter(keys) if isinstance(keys, AsyncIterable) else iter(keys)
         )
-        self._auto = lookahead == "auto"
-        self._depth = AUTO_START if lookahead == "auto" else int(lookahead)
+        self._auto = config.lookahead == "auto"
+        self._depth = AUTO_START if config.lookahead == "auto" else config.lookahead
         self._max_depth = 4096
-        self._max_inflight = max_inflight
-        self._max_bytes = max_bytes
-        self._skip = on_error == "skip"
+        self._max_inflight = config.max_inflight
+        self._max_bytes = config.max_bytes
+        self._skip = config.on_error == "skip"
         self._plan_cache: TieredCache | None = None
         if isinstance(source, TieredCache) and source.policy == "plan":
             self._plan_cache = source
@@ -374,6 +366,11 @@ class Prefetcher(AsyncResource):
         return items
 
     # -- stats -------------------------------------------------------------------------------
+
+    @property
+    def config(self) -> PrefetchConfig:
+        """The prefetcher's options, validated."""
+        return self._config
 
     def stats(self) -> PrefetchStats:
         """A snapshot of the counters."""

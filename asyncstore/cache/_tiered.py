@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
+from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
@@ -36,13 +37,6 @@ logger = logging.getLogger("asyncstore.cache")
 
 MiB = 1 << 20
 
-DEFAULT_BLOCK_BYTES = 8 * MiB
-"""Block size of ranged reads: large enough that a block costs one request's overhead per
-8 MiB, small enough that a scattered access pattern does not pull in much it never reads."""
-
-DEFAULT_TTL = 60.0
-"""Seconds an ETag check stays valid with ``validate="etag"``: a changed object is seen
-within a minute at the cost of one ``stat`` per object per minute."""
 
 DISK_THREADS = 8
 """Worker threads doing disk-tier I/O at once: enough to keep an NVMe queue busy."""
@@ -136,42 +130,39 @@ class TieredCache(AsyncResource):
             raise InvalidArgument(
                 f"store={store!r} is not an asyncstore store; open one with open_store()"
             )
-        _positive("memory_bytes", memory_bytes)
-        _positive("block_bytes", block_bytes)
-        _positive("disk_bytes", disk_bytes, allow_none=True)
-        if disk_dir is not None and (
-            not isinstance(disk_dir, str | os.PathLike) or not os.fspath(disk_dir)
-        ):
-            raise InvalidArgument(
-                f"disk_dir={disk_dir!r}: pass the path of a local directory (str or Path)"
-            )
-        if disk_dir is not None and disk_bytes is None:
-            raise InvalidArgument(
-                f"disk_dir={os.fspath(disk_dir)!r} needs disk_bytes, the disk tier's budget"
-            )
-        if disk_dir is None and disk_bytes is not None:
-            raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
-        if policy not in ("lru", "plan"):
-            raise InvalidArgument(f"policy={policy!r}: the policies are 'lru' and 'plan'")
-        if validate not in ("none", "etag"):
-            raise InvalidArgument(f"validate={validate!r}: use 'none' or 'etag'")
-        if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not ttl >= 0:
-            # "not >=" refuses NaN too, which compares false with everything: an ETag check
-            # whose age is never below NaN would stat on every read without saying so.
-            raise InvalidArgument(
-                f"ttl={ttl!r}: pass a number of seconds >= 0 (float('inf') checks once)"
-            )
-        self._store = store
-        self._policy = policy
-        self._memory: MemoryTier | PlanTier = (
-            PlanTier(memory_bytes) if policy == "plan" else MemoryTier(memory_bytes)
+        config = build(
+            CacheConfig,
+            {
+                "memory_bytes": memory_bytes,
+                "disk_dir": os.fspath(disk_dir) if isinstance(disk_dir, os.PathLike) else disk_dir,
+                "disk_bytes": disk_bytes,
+                "policy": policy,
+                "validate": validate,
+                "ttl": ttl,
+                "block_bytes": block_bytes,
+            },
+            "TieredCache",
         )
-        self._disk_dir = disk_dir
-        self._disk_bytes = disk_bytes
+        if config.disk_dir is not None and config.disk_bytes is None:
+            raise InvalidArgument(
+                f"disk_dir={config.disk_dir!r} needs disk_bytes, the disk tier's budget"
+            )
+        if config.disk_dir is None and config.disk_bytes is not None:
+            raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
+        self._config = config
+        self._store = store
+        self._policy = config.policy
+        self._memory: MemoryTier | PlanTier = (
+            PlanTier(config.memory_bytes)
+            if config.policy == "plan"
+            else MemoryTier(config.memory_bytes)
+        )
+        self._disk_dir = config.disk_dir
+        self._disk_bytes = config.disk_bytes
         self._disk: DiskTier | None = None
-        self._validate = validate
-        self._ttl = float(ttl)
-        self._block = block_bytes
+        self._validate = config.validate
+        self._ttl = config.ttl
+        self._block = config.block_bytes
         self._limiter = anyio.CapacityLimiter(DISK_THREADS)
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks = TaskSet(f"the cache over {store.url}")
@@ -198,6 +189,11 @@ class TieredCache(AsyncResource):
     def policy(self) -> Literal["lru", "plan"]:
         """The memory tier's eviction policy, ``"lru"`` or ``"plan"``."""
         return self._policy
+
+    @property
+    def config(self) -> CacheConfig:
+        """The cache's options, validated."""
+        return self._config
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 import msgspec
 
+from .._config import build
 from ..errors import InvalidArgument, InvalidURL
 from ._base import Store
 from ._keys import check_prefix
@@ -85,7 +86,7 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
                 "digit)"
             )
         prefix = _prefix(parts.path, shown)
-        config = _config(S3Config, options, shown)
+        config = build(S3Config, options, shown)
         endpoint = config.endpoint_url
         if endpoint is not None:
             ep = urlsplit(endpoint)
@@ -164,7 +165,7 @@ def local_path(url: str) -> str:
 
 def open_local(path: str, options: dict[str, Any]) -> LocalStore:
     """A local store at ``path`` (from :func:`local_path`) with ``options``."""
-    config = _config(LocalConfig, options, f"file://{path}")
+    config = build(LocalConfig, options, f"file://{path}")
     root = os.path.normpath(path)
     if os.path.isfile(root):
         raise InvalidURL(f"file://{root} is a file; a local store's root is a directory")
@@ -206,21 +207,6 @@ def _prefix(path: str, shown: str) -> str:
         except InvalidArgument as exc:
             raise InvalidURL(f"store URL {shown!r} has a malformed path: {exc}") from None
     return prefix
-
-
-def _config(cls: type[C], options: dict[str, Any], shown: str) -> C:
-    try:
-        return msgspec.convert(options, cls)
-    except msgspec.ValidationError as exc:
-        fields = ", ".join(cls.__struct_fields__)
-        # msgspec says "Expected `int` >= 1 - at `$.part_bytes`": add the value the caller gave.
-        match = re.search(r"at `\$\.(\w+)`", str(exc))
-        name = match.group(1) if match else None
-        secret = name is None or name.startswith("aws_")  # credentials are never echoed
-        given = f"{name}={options[name]!r}: " if name in options and not secret else ""
-        raise InvalidArgument(
-            f"bad option for {shown}: {given}{exc} (the options are: {fields})"
-        ) from None
 
 
 def _redact(url: str) -> str:

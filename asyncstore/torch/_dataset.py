@@ -15,9 +15,10 @@ import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
 
+from .._config import DatasetConfig, build
 from .._keyindex import KeyIndex, build_index, write_index
 from .._loop import run_sync
-from .._prefetch import Prefetcher, PrefetchStats, check_window
+from .._prefetch import Prefetcher, PrefetchStats
 from ..cache import CacheStats, TieredCache
 from ..errors import InvalidArgument, InvalidKey
 from ..stores import Store, open_store
@@ -155,57 +156,41 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             open_store(self._url, **self._options)  # checks the URL and options now
         else:
             raise InvalidArgument(f"source={source!r}: pass a URL, a local path or a store")
-        for name, value in (("memory_bytes", memory_bytes), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name}={value!r}: pass a positive int")
-        if cache_dir is not None and (
-            not isinstance(cache_dir, str | os.PathLike) or not os.fspath(cache_dir)
-        ):
-            raise InvalidArgument(f"cache_dir={cache_dir!r}: pass a directory path, or None")
-        if disk_bytes is not None:
-            if isinstance(disk_bytes, bool) or not isinstance(disk_bytes, int) or disk_bytes < 1:
-                raise InvalidArgument(f"disk_bytes={disk_bytes!r}: pass a positive int, or None")
-            if cache_dir is None:
-                raise InvalidArgument(
-                    f"disk_bytes={disk_bytes!r} was given without cache_dir, the directory "
-                    "that budget is for; pass both or neither"
-                )
-        if not isinstance(shuffle, bool):
-            raise InvalidArgument(f"shuffle={shuffle!r}: pass True or False")
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise InvalidArgument(f"seed={seed!r}: pass an int")
         if decode is not None and not callable(decode):
             raise InvalidArgument(
                 f"decode={decode!r}: pass a function decode(key, data) -> sample, or None"
             )
-        check_window(lookahead, max_inflight)
-        if cache_policy not in ("lru", "plan"):
-            raise InvalidArgument(f"cache_policy={cache_policy!r}: use 'plan' or 'lru'")
-        if (rank is None) != (world_size is None):
-            raise InvalidArgument(
-                f"rank={rank!r}, world_size={world_size!r}: pass rank and world_size "
-                "together, or neither"
-            )
-        if world_size is not None:
-            if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-                raise InvalidArgument(f"world_size={world_size!r}: pass a positive int")
-            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-                raise InvalidArgument(
-                    f"rank={rank!r} is not in range(world_size={world_size}): pass an int "
-                    "from 0 to world_size - 1"
-                )
-        self._cache_dir = os.fspath(cache_dir) if cache_dir is not None else None
-        self._memory_bytes = memory_bytes
-        self._disk_bytes = disk_bytes if disk_bytes is not None else 64 << 30
-        self._shuffle = shuffle
-        self._seed = seed
+        config = self._config = build(
+            DatasetConfig,
+            {
+                "cache_dir": os.fspath(cache_dir)
+                if isinstance(cache_dir, os.PathLike)
+                else cache_dir,
+                "memory_bytes": memory_bytes,
+                "disk_bytes": disk_bytes,
+                "shuffle": shuffle,
+                "seed": seed,
+                "lookahead": lookahead,
+                "max_inflight": max_inflight,
+                "cache_policy": cache_policy,
+                "rank": rank,
+                "world_size": world_size,
+                "batch_size": batch_size,
+            },
+            "StreamingDataset",
+        )
+        self._cache_dir = config.cache_dir
+        self._memory_bytes = config.memory_bytes
+        self._disk_bytes = config.disk_bytes if config.disk_bytes is not None else 64 << 30
+        self._shuffle = config.shuffle
+        self._seed = config.seed
         self._decode = decode
-        self._lookahead = lookahead
-        self._max_inflight = max_inflight
-        self._policy: Literal["lru", "plan"] = cache_policy
-        self._rank = rank
-        self._world = world_size
-        self._batch = batch_size
+        self._lookahead: int | Literal["auto"] = config.lookahead
+        self._max_inflight = config.max_inflight
+        self._policy: Literal["lru", "plan"] = config.cache_policy
+        self._rank = config.rank
+        self._world = config.world_size
+        self._batch = config.batch_size
         # [epoch, samples of it already consumed] in shared memory: DataLoader workers
         # (persistent ones too) read the position the main process set, at each iteration.
         self._position = multiprocessing.RawArray("q", [0, 0])

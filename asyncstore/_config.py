@@ -1,0 +1,190 @@
+"""Configuration: one msgspec Struct per component, validated in one place.
+
+Public constructors and functions keep keyword arguments; they build these Structs with
+:func:`build`, which checks every bound declared in the Struct (``msgspec.Meta``) and turns a
+failure into an :class:`~asyncstore.InvalidArgument` that names the argument, the value given
+and what the argument means. Beside each default stands the reason for it.
+
+Vocabulary: sizes end in ``_bytes``; bounds on requests in flight are ``max_inflight``.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+
+from .errors import InvalidArgument
+
+__all__ = ["CacheConfig", "DatasetConfig", "PrefetchConfig", "build"]
+
+C = TypeVar("C", bound=msgspec.Struct)
+
+MiB = 1 << 20
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+
+# Defaults that function signatures repeat (a Struct's class attribute is a descriptor, not
+# its default); the reason for each stands beside its field below.
+DEFAULT_TTL = 60.0
+DEFAULT_BLOCK_BYTES = 8 * MiB
+DEFAULT_MAX_INFLIGHT = 32
+DEFAULT_PREFETCH_BYTES = 256 * MiB
+
+_AT = re.compile(r" - at `\$\.(\w+)`$")
+
+
+def build(cls: type[C], values: dict[str, Any], where: str) -> C:
+    """``cls`` from ``values`` (argument name to value), every bound checked.
+
+    Raises:
+        InvalidArgument: a value has the wrong type or is out of bounds, or a name is not
+            one of ``cls``'s fields. The message starts with ``name=value:`` (credentials,
+            whose names start with ``aws_``, are never echoed) and says what was expected.
+    """
+    try:
+        return msgspec.convert(values, cls)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _AT.search(text)
+        if match is None:
+            if text.startswith("Object contains unknown field"):
+                fields = ", ".join(cls.__struct_fields__)
+                raise InvalidArgument(
+                    f"{where}: {text.replace('`', '')}; the options are: {fields}"
+                ) from None
+            raise InvalidArgument(text) from None  # a relation between fields, said in full
+        name = match.group(1)
+        problem = _AT.sub("", text).replace("`", "")
+        problem = problem[:1].lower() + problem[1:]
+        choices = _choices(cls, name)
+        if choices:
+            problem += f"; use one of {', '.join(map(repr, choices))}"
+        given = f"{name}=<hidden>" if name.startswith("aws_") else f"{name}={values.get(name)!r}"
+        raise InvalidArgument(f"{given}: {problem} (an option of {where})") from None
+
+
+def _choices(cls: type[msgspec.Struct], name: str) -> list[object]:
+    # The values a Literal field (or a union holding one) takes, for the error message.
+    hints = typing.get_type_hints(cls)
+    found: list[object] = []
+    pending = [hints.get(name)]
+    while pending:
+        hint = pending.pop()
+        if typing.get_origin(hint) is Literal:
+            found.extend(typing.get_args(hint))
+        elif typing.get_origin(hint) in (typing.Union, types.UnionType):
+            pending.extend(typing.get_args(hint))
+    return found
+
+
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The options of :class:`~asyncstore.TieredCache`; see its docstring for each."""
+
+    memory_bytes: Positive
+    """The memory tier's hard budget. No default: it is the one figure every cache needs
+    sized to its machine."""
+
+    disk_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """The disk tier's directory; ``None`` for no disk tier (nothing is written unasked)."""
+
+    disk_bytes: Positive | None = None
+    """The disk tier's hard budget; required with ``disk_dir`` (a disk fills otherwise)."""
+
+    policy: Literal["lru", "plan"] = "lru"
+    """LRU by default: it needs no plan, and ``plan`` helps only a reader that gives one."""
+
+    validate: Literal["none", "etag"] = "none"
+    """``none`` by default: training datasets are written once and read many times."""
+
+    ttl: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_TTL
+    """Seconds an ETag check stays valid with ``validate="etag"``: a changed object is seen
+    within a minute at the cost of one ``stat`` per object per minute. (NaN is refused: no
+    age is ever below it, so every read would check without saying so.)"""
+
+    block_bytes: Positive = DEFAULT_BLOCK_BYTES
+    """Block size of ranged reads: large enough that a block costs one request's overhead
+    per 8 MiB, small enough that a scattered access pattern does not pull in much it never
+    reads."""
+
+
+class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The options of :class:`~asyncstore.Prefetcher`; see its docstring for each."""
+
+    lookahead: Positive | Literal["auto"] = "auto"
+    """``auto`` adapts the window to the consumer, which no fixed figure suits both a
+    warm epoch (hardly any needed) and a cold one over S3 (dozens)."""
+
+    max_inflight: Positive = DEFAULT_MAX_INFLIGHT
+    """S3 clients degrade beyond about 32 requests in flight: latency climbs while
+    throughput stays flat."""
+
+    max_bytes: Positive = DEFAULT_PREFETCH_BYTES
+    """Bytes fetched ahead of the consumer: 256 MiB holds thousands of samples, or a few
+    large shards, without crowding a training process's memory."""
+
+    on_error: Literal["raise", "skip"] = "raise"
+    """``raise`` by default: a missing sample is an error unless the caller says otherwise."""
+
+
+class DatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The options of :class:`~asyncstore.torch.StreamingDataset` that each process (the
+    main one and every DataLoader worker) opens its cache and prefetcher with; see its
+    docstring for each."""
+
+    cache_dir: Annotated[str, msgspec.Meta(min_length=1)] | None = None
+    """No disk tier unless asked: nothing is written to a node's disk unasked."""
+
+    memory_bytes: Positive = 512 * MiB
+    """Per process: 512 MiB leaves room for the model on a small machine, and with two
+    workers stays under 2 GiB in all."""
+
+    disk_bytes: Positive | None = None
+    """With ``cache_dir``, its budget; ``None`` there means 64 GiB."""
+
+    shuffle: bool = False
+    """Off by default: the order of the listing, as a plain dataset would give it."""
+
+    seed: int = 0
+    """The same order on every run unless the caller varies it."""
+
+    lookahead: Positive | Literal["auto"] = "auto"
+    """See :class:`PrefetchConfig`."""
+
+    max_inflight: Positive = DEFAULT_MAX_INFLIGHT
+    """See :class:`PrefetchConfig`."""
+
+    cache_policy: Literal["lru", "plan"] = "plan"
+    """``plan`` by default: the dataset knows each epoch's order, and following it gives the
+    most memory hits possible when the dataset does not fit (Belady's rule)."""
+
+    rank: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    """With ``world_size``; by default both come from ``torch.distributed``."""
+
+    world_size: Positive | None = None
+    """See ``rank``."""
+
+    batch_size: Positive = 1
+    """Set it to the DataLoader's: workers then take whole batches in turn, and the stream
+    comes out in exactly the plan's order (exact mid-epoch resume)."""
+
+    def __post_init__(self) -> None:
+        # Relations between fields, checked where the fields are; build() reports them.
+        if (self.rank is None) != (self.world_size is None):
+            raise InvalidArgument(
+                f"rank={self.rank!r}, world_size={self.world_size!r}: pass rank and "
+                "world_size together, or neither"
+            )
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise InvalidArgument(
+                f"rank={self.rank!r} is not in range(world_size={self.world_size}): pass an "
+                "int from 0 to world_size - 1"
+            )
+        if self.disk_bytes is not None and self.cache_dir is None:
+            raise InvalidArgument(
+                f"disk_bytes={self.disk_bytes!r} was given without cache_dir, the directory "
+                "that budget is for; pass both or neither"
+            )
