@@ -538,9 +538,12 @@ class _TempFile:
             self.done = True
             if self.appender is not None:
                 self.appender.close()
-            self.file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp)
+            file = getattr(self, "file", None)  # None if __enter__ failed before opening it
+            if file is not None:
+                file.close()
+        if self.tmp:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.tmp)
 
     def __exit__(self, *exc_info: object) -> None:
         self.abort()
@@ -563,7 +566,12 @@ class _LocalWriter(BaseWriter):
 
     async def _begin(self) -> None:
         tmp = _TempFile(self._store, self._key, self._direct)
-        self._tmp = await self._store._run(self._key, "write", tmp.__enter__)
+        try:
+            await self._store._run(self._key, "write", tmp.__enter__)
+        finally:
+            # Kept even when this is cancelled: the thread may have opened the file by then,
+            # and the abort that follows must close and remove it.
+            self._tmp = tmp
 
     async def _write(self, data: memoryview) -> None:
         assert self._tmp is not None
