@@ -202,6 +202,13 @@ class TaskSet:
         if tasks:
             await asyncio.wait(tasks)
 
+    def cancel(self) -> None:
+        """Cancel every task still running, without waiting (from synchronous code; prefer
+        :meth:`aclose`, which also waits). The set starts no task afterwards."""
+        self._closed = True
+        for task in self._tasks:
+            task.cancel()
+
     async def aclose(self) -> None:
         """Cancel every task still running and wait for all of them to end.
 

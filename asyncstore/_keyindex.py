@@ -38,7 +38,7 @@ from typing import Any, overload
 import anyio
 import xxhash
 
-from ._concurrency import shield as shielded
+from ._concurrency import shield
 from ._flock import try_lock
 from .errors import IntegrityError, InvalidArgument
 from .stores._keys import MAX_KEY_BYTES
@@ -285,7 +285,7 @@ async def build_index(
         for attempt in range(2):
             await _list_into(partial, listing)
             try:
-                index: KeyIndex = await shielded(anyio.to_thread.run_sync(_finish, name))
+                index: KeyIndex = await shield(anyio.to_thread.run_sync(_finish, name))
             except IntegrityError:
                 if attempt:
                     raise
@@ -301,7 +301,7 @@ async def build_index(
 
 async def _list_into(partial: str, listing: Callable[[str], AsyncIterator[str]]) -> None:
     # Append the listing to the partial file, resuming after its last complete key.
-    last = await shielded(anyio.to_thread.run_sync(_resume_point, partial))
+    last = await shield(anyio.to_thread.run_sync(_resume_point, partial))
     # Plain writes on this thread, a few MB each: nothing still writes once this returns or
     # is cancelled, so the lock is never released under a write in flight.
     fd = os.open(partial, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)

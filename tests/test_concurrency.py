@@ -149,6 +149,18 @@ async def test_task_set_close_cancels_and_awaits_every_task() -> None:
     assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED  # no "never awaited" warning
 
 
+async def test_task_set_cancel_from_sync_code() -> None:
+    tasks = TaskSet("a connection")
+    task = tasks.spawn(asyncio.sleep(3600), name="relay")
+    await asyncio.sleep(0)
+    tasks.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    coro = asyncio.sleep(0)
+    with pytest.raises(StoreClosed):
+        tasks.spawn(coro, name="late")
+
+
 async def test_task_set_logs_a_detached_failure_once(caplog: pytest.LogCaptureFixture) -> None:
     tasks = TaskSet("the cache")
 

@@ -14,7 +14,6 @@ import msgspec
 
 from .._concurrency import shield
 from ..errors import InvalidArgument
-from ..stores import S3Store
 from ._codec import Codecs
 from ._handle import SaveHandle
 from ._pickle import pickle_structure
@@ -147,7 +146,8 @@ async def save(
         pool = staging_pool(chunk_bytes)
         pool.set_budget(staging_bytes)
         where = resolved.url.rpartition("/")[0]
-        codecs = Codecs(compression_, level, patterns, where, isinstance(resolved.store, S3Store))
+        remote = resolved.store is not None and resolved.store.remote
+        codecs = Codecs(compression_, level, patterns, where, remote)
         sink = await open_sink(resolved)
         job = SaveJob(
             sink,

@@ -10,10 +10,9 @@ from typing import IO, Any
 
 from .._concurrency import shield, to_thread
 from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound
-from ..stores import LocalStore, Store, Writer, open_store
+from ..stores import CleansUpWrites, LocalFiles, PinnedReads, Store, Writer, open_store
 from ..stores._keys import check_key
 from ..stores._open import is_local, local_path, open_local
-from ..stores.s3 import S3Store
 
 __all__ = ["Resolved", "Sink", "Source", "open_sink", "open_source", "resolve"]
 
@@ -83,7 +82,7 @@ async def open_sink(resolved: Resolved) -> Sink:
     assert resolved.key is not None
     if resolved.local_path is not None:
         os.makedirs(os.path.dirname(resolved.local_path), exist_ok=True)
-    if isinstance(resolved.store, S3Store | LocalStore):
+    if isinstance(resolved.store, CleansUpWrites):
         # What a save killed mid-write left: unfinished uploads, temp files.
         await resolved.store.clean_up_writes(resolved.key)
     sink = StoreSink(resolved.store, resolved.key)
@@ -119,8 +118,8 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
             )
         store, key = target
         resolved = Resolved(store, check_key(key, store.url), None)
-        if isinstance(store, LocalStore):
-            resolved.local_path = store._path_for_read(key)
+        if isinstance(store, LocalFiles):
+            resolved.local_path = store.local_path(key)
         return resolved
     if isinstance(target, os.PathLike):
         target = os.fspath(target)
@@ -186,10 +185,10 @@ class StoreSink(Sink):
     def __init__(self, store: Store, key: str) -> None:
         self.url = f"{store.url}/{key}"
         # A checkpoint is large and written once: a local file takes it around the page
-        # cache (see LocalStore.open_writer).
+        # cache (see LocalFiles.open_direct_writer).
         self._writer: Writer = (
-            store.open_writer(key, direct=True)
-            if isinstance(store, LocalStore)
+            store.open_direct_writer(key)
+            if isinstance(store, LocalFiles)
             else store.open_writer(key)
         )
 
@@ -270,17 +269,17 @@ class StoreSource(Source):
     def _open(self) -> int:
         # A local path comes with a local store (see resolve): its checks apply, a symlink
         # may not lead outside its directory, and a FIFO or device is refused, not waited on.
-        assert isinstance(self._store, LocalStore)
+        assert isinstance(self._store, LocalFiles)
         try:
-            return self._store._open_regular(self._key)
+            return self._store.open_local_file(self._key)
         except OSError as exc:
             if isinstance(exc, AsyncStoreError):
                 raise
             raise self._translate(exc) from exc
 
     def _translate(self, exc: OSError) -> Exception:
-        if isinstance(self._store, LocalStore):
-            return self._store._error(exc, self._key, "read")
+        if isinstance(self._store, LocalFiles):
+            return self._store.local_error(exc, self._key, "read")
         return exc
 
     def _pread(self, start: int, end: int) -> bytes:
@@ -308,8 +307,8 @@ class StoreSource(Source):
     async def read(self, start: int, end: int) -> bytes:
         if self.local_path is not None:
             return await to_thread(self._pread, start, end)
-        if isinstance(self._store, S3Store) and self._etag is not None:
-            return await self._store._get_pinned(self._key, start, end, self._etag)
+        if isinstance(self._store, PinnedReads) and self._etag is not None:
+            return await self._store.get_pinned(self._key, start, end, self._etag)
         return await self._store.get(self._key, start, end)
 
     async def aclose(self) -> None:

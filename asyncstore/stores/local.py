@@ -396,11 +396,6 @@ class LocalStore(BaseStore):
         writer._direct = direct
         return writer
 
-    # Old private names, until the checkpoint engine asks for the LocalFiles capability.
-    _path_for_read = local_path
-    _open_regular = open_local_file
-    _error = local_error
-
     def open_direct_writer(self, key: str) -> BaseWriter:
         """``open_writer(key, direct=True)``: for a large object written once."""
         return self.open_writer(key, direct=True)

@@ -590,8 +590,6 @@ class S3Store(BaseStore):
         self._check_open()
         return await self._get(check_key(key, self.url), start, end, pin=etag)
 
-    _get_pinned = get_pinned  # until the checkpoint engine asks for PinnedReads
-
     async def _get(self, key: str, start: int, end: int | None, *, pin: str | None = None) -> bytes:
         if end is not None and start == end:
             await self._stat(key)  # an empty range still says whether the key exists

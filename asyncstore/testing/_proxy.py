@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from .._concurrency import TaskSet
+
 _log = logging.getLogger("asyncstore.testing")
 
 _STREAM_LIMIT = 1 << 20  # longest request/response head or chunk-size line accepted
@@ -233,15 +235,16 @@ class _Connection:
         self.pending: deque[_Pending] = deque()
         self.body_done = True
         self.stalled = False
-        self.tasks: set[asyncio.Task[None]] = set()
+        self.handler: asyncio.Task[Any] | None = None  # the task serving this connection
+        self.relays = TaskSet("a FaultProxy connection")
 
     def close(self) -> None:
         self.writer.close()
         if self.upstream is not None:
             self.upstream[1].close()
-        for task in self.tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        self.relays.cancel()
+        if self.handler is not None and self.handler is not asyncio.current_task():
+            self.handler.cancel()
 
 
 class FaultProxy:
@@ -523,9 +526,7 @@ class FaultProxy:
             _rst(writer)
             return
         conn = _Connection(reader, writer)
-        task = asyncio.current_task()
-        assert task is not None
-        conn.tasks.add(task)
+        conn.handler = asyncio.current_task()
         self._conns.add(conn)
         try:
             await self._serve_requests(conn)
@@ -605,8 +606,7 @@ class FaultProxy:
             conn.upstream = await asyncio.open_connection(
                 self.upstream_host, self.upstream_port, limit=_STREAM_LIMIT
             )
-            relay = asyncio.create_task(self._relay_responses(conn))
-            conn.tasks.add(relay)
+            conn.relays.spawn(self._relay_responses(conn), name="FaultProxy relay", detached=True)
         up_writer = conn.upstream[1]
 
         async def write_up(data: bytes) -> None:
