@@ -114,6 +114,7 @@ class Footer(msgspec.Struct, frozen=True):
 
 
 def encode_footer(footer: Footer) -> bytes:
+    """The footer's bytes (``FOOTER_SIZE`` of them), ending in their own xxh3 checksum."""
     body = _FOOTER.pack(
         MAGIC,
         footer.version,
@@ -149,10 +150,16 @@ _manifest_decoder = msgspec.msgpack.Decoder(Manifest)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
+    """The manifest as msgpack; the footer records its offset, length and checksum."""
     return msgspec.msgpack.encode(manifest)
 
 
 def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
+    """The manifest in ``data``, checked against the footer's checksum first.
+
+    Raises:
+        IntegrityError: the bytes do not match the checksum, or are not a valid manifest.
+    """
     if xxhash.xxh3_64_intdigest(data) != footer.manifest_xxh3:
         raise IntegrityError(f"{where}: the checkpoint's manifest does not match its checksum")
     try:

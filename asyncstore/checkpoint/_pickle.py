@@ -54,6 +54,7 @@ _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name a manifest records for ``dtype`` (``"float32"``, ``"bfloat16"``…)."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
@@ -61,6 +62,11 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def dtype_of(name: str) -> torch.dtype:
+    """The dtype a manifest names.
+
+    Raises:
+        IntegrityError: ``name`` is no torch dtype (a damaged or crafted manifest).
+    """
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise IntegrityError(f"the checkpoint names an unknown dtype {name!r}")
