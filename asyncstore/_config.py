@@ -19,7 +19,7 @@ import msgspec
 
 from .errors import InvalidArgument
 
-__all__ = ["CacheConfig", "DatasetConfig", "PrefetchConfig", "build"]
+__all__ = ["CacheConfig", "DatasetConfig", "LoadConfig", "PrefetchConfig", "SaveConfig", "build"]
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -33,8 +33,10 @@ DEFAULT_TTL = 60.0
 DEFAULT_BLOCK_BYTES = 8 * MiB
 DEFAULT_MAX_INFLIGHT = 32
 DEFAULT_PREFETCH_BYTES = 256 * MiB
+DEFAULT_SAVE_CHUNK_BYTES = 32 * MiB
+DEFAULT_STAGING_BYTES = 2 << 30
 
-_AT = re.compile(r" - at `\$\.(\w+)`$")
+_FIELD = re.compile(r"`\$\.(\w+)([^`]*)`")
 
 
 def build(cls: type[C], values: dict[str, Any], where: str) -> C:
@@ -49,19 +51,26 @@ def build(cls: type[C], values: dict[str, Any], where: str) -> C:
         return msgspec.convert(values, cls)
     except msgspec.ValidationError as exc:
         text = str(exc)
-        match = _AT.search(text)
-        if match is None:
+        # msgspec ends its message with where the value was: " - at `$.name`",
+        # " - at `$.name[0]`", or " - at `key` in `$.name`" for a dict key.
+        problem, _, at = text.partition(" - at ")
+        field = _FIELD.search(at)
+        if field is None:
             if text.startswith("Object contains unknown field"):
                 fields = ", ".join(cls.__struct_fields__)
                 raise InvalidArgument(
                     f"{where}: {text.replace('`', '')}; the options are: {fields}"
                 ) from None
             raise InvalidArgument(text) from None  # a relation between fields, said in full
-        name = match.group(1)
-        problem = _AT.sub("", text).replace("`", "")
+        name, inside = field.group(1), field.group(2)
+        problem = problem.replace("`", "")
         problem = problem[:1].lower() + problem[1:]
+        if at.startswith("`key`"):
+            problem += f" for a key of {name}"
+        elif inside:
+            problem += f" in {name}{inside}"
         choices = _choices(cls, name)
-        if choices:
+        if choices and not inside:
             problem += f"; use one of {', '.join(map(repr, choices))}"
         given = f"{name}=<hidden>" if name.startswith("aws_") else f"{name}={values.get(name)!r}"
         raise InvalidArgument(f"{given}: {problem} (an option of {where})") from None
@@ -188,3 +197,63 @@ class DatasetConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 f"disk_bytes={self.disk_bytes!r} was given without cache_dir, the directory "
                 "that budget is for; pass both or neither"
             )
+
+
+class SaveConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The options of :func:`asyncstore.save` (all but ``store_options``, which open the
+    target's store); see its docstring for each."""
+
+    compression: Literal["auto", "zstd"] | None = "auto"
+    """``auto`` compresses a storage only where its first chunk shrinks and the encoders
+    keep up with the target's measured write speed: never slower than not compressing."""
+
+    level: Annotated[int, msgspec.Meta(ge=-7, le=22)] = 1
+    """zstd level 1: most of the reduction a checkpoint's floats allow (after byte
+    shuffling), at hundreds of MB/s per core; higher levels gain little on floats."""
+
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_SAVE_CHUNK_BYTES
+    """32 MiB: large enough that per-chunk costs (a checksum, a frame, a manifest entry, a
+    thread hop) vanish, small enough that a ranged read of one tensor reads little else."""
+
+    staging_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_STAGING_BYTES
+    """2 GiB of host memory: enough for the copying and the writing of a save to overlap
+    fully, little beside a training process's own; a larger state streams through."""
+
+    exclude: tuple[str, ...] = ()
+    """No exclusions: ``auto`` already leaves incompressible storages raw."""
+
+    metadata: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Kept in the manifest; empty unless the caller has something to say."""
+
+    priority: Literal["low", "normal"] = "low"
+    """``low``: a save's background work runs on threads of the lowest priority, so a
+    training step's threads get the cores whenever they want them."""
+
+    def __post_init__(self) -> None:
+        if self.staging_bytes < self.chunk_bytes:
+            raise InvalidArgument(
+                f"staging_bytes={self.staging_bytes} is smaller than chunk_bytes="
+                f"{self.chunk_bytes}: the pool must hold at least one chunk (two or more let "
+                "copying and writing overlap)"
+            )
+        try:
+            msgspec.msgpack.encode(self.metadata)
+        except (TypeError, msgspec.EncodeError) as exc:
+            raise InvalidArgument(
+                f"metadata cannot be stored ({exc}): use str keys and plain values "
+                "(numbers, strings, lists, dicts)"
+            ) from None
+
+
+class LoadConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The plain-valued options of :func:`asyncstore.load`; see its docstring for each.
+
+    ``map_location``, ``into`` and ``safe_globals`` hold live objects (devices, tensors,
+    classes) and are checked where they are used.
+    """
+
+    weights_only: bool = True
+    """``True``: a crafted checkpoint cannot run code; ``False`` only for trusted files."""
+
+    keys: tuple[str, ...] | None = None
+    """Every entry unless asked for fewer."""

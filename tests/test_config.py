@@ -6,8 +6,17 @@ from __future__ import annotations
 import pytest
 
 from asyncstore import InvalidArgument, Prefetcher
-from asyncstore._config import CacheConfig, DatasetConfig, PrefetchConfig, build
+from asyncstore._config import (
+    CacheConfig,
+    DatasetConfig,
+    LoadConfig,
+    PrefetchConfig,
+    SaveConfig,
+    build,
+)
 from asyncstore.cache import TieredCache
+from asyncstore.checkpoint._load import LoadOptions
+from asyncstore.checkpoint._save import SaveOptions
 from asyncstore.stores import MemoryStore, S3Config
 from asyncstore.torch import StreamingDataset
 
@@ -41,6 +50,30 @@ def test_build_names_the_argument_and_what_was_expected(
 ) -> None:
     with pytest.raises(InvalidArgument, match=message):
         build(cls, values, "Component")
+
+
+def test_save_and_load_options_are_checked_in_one_place() -> None:
+    with pytest.raises(
+        InvalidArgument, match=r"^exclude=\['a', 3\]: expected str, got int in exclude\[1\]"
+    ):
+        build(SaveConfig, {"exclude": ["a", 3]}, "save()")
+    with pytest.raises(InvalidArgument, match=r"^level=30: expected int <= 22"):
+        build(SaveConfig, {"level": 30}, "save()")
+    with pytest.raises(InvalidArgument, match=r"^weights_only='yes': expected bool"):
+        build(LoadConfig, {"weights_only": "yes"}, "load()")
+    assert build(SaveConfig, {"exclude": ["*.embed*"]}, "save()").exclude == ("*.embed*",)
+
+
+def test_save_options_typed_dict_matches_save_config() -> None:
+    # The sync adapters type their **options with SaveOptions and LoadOptions: they must
+    # name exactly the options save() and load() take.
+    assert set(SaveOptions.__optional_keys__) == {*SaveConfig.__struct_fields__, "store_options"}
+    assert set(LoadOptions.__optional_keys__) == {
+        *LoadConfig.__struct_fields__,
+        "into",
+        "safe_globals",
+        "store_options",
+    }
 
 
 def test_credentials_are_never_echoed() -> None:

@@ -15,6 +15,7 @@ from typing import Any, TypedDict
 import torch
 
 from .._concurrency import shield, to_thread
+from .._config import LoadConfig, build
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
@@ -166,18 +167,23 @@ async def load(
         InvalidArgument: a bad argument, or ``keys``/``into`` naming entries the checkpoint
             does not have.
     """
-    if not isinstance(weights_only, bool):
-        raise InvalidArgument(f"weights_only={weights_only!r}: pass True or False")
+    if isinstance(keys, str):
+        raise InvalidArgument(
+            f"keys={keys!r}: pass a list of entry names such as ['model'], not one str"
+        )
+    config = build(
+        LoadConfig,
+        {
+            "weights_only": weights_only,
+            "keys": list(keys) if isinstance(keys, Iterable) else keys,
+        },
+        "load()",
+    )
+    weights_only = config.weights_only
     _check_map_location(map_location)
     if keys is not None and into is not None:
         raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
-    wanted = None
-    if keys is not None:
-        if isinstance(keys, str) or not isinstance(keys, Iterable):
-            raise InvalidArgument(
-                f"keys={keys!r}: pass a list of entry names such as ['model'], not one str"
-            )
-        wanted = list(keys)
+    wanted = None if config.keys is None else list(config.keys)
     if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
         raise InvalidArgument(
             f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "

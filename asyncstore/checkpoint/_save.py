@@ -10,22 +10,22 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Literal, TypedDict
 
-import msgspec
-
 from .._concurrency import shield
-from ..errors import InvalidArgument
+from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
 from ._codec import Codecs
 from ._handle import SaveHandle
 from ._pickle import pickle_structure
 from ._pipeline import SaveJob
-from ._staging import DEFAULT_CHUNK_BYTES, DEFAULT_STAGING_BYTES, staging_pool
+from ._staging import staging_pool
 from ._target import Resolved, Sink, open_sink, resolve
 
 __all__ = ["save", "SaveOptions"]
 
 
 class SaveOptions(TypedDict, total=False):
-    """The keyword options of :func:`save` (for the sync adapters that forward them)."""
+    """The keyword options of :func:`save`, for the static types of the sync adapters that
+    forward them: :class:`SaveConfig`'s fields and ``store_options`` (a test keeps the two
+    in step)."""
 
     compression: Literal["auto", "zstd"] | None
     level: int
@@ -42,46 +42,30 @@ _LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.L
 _LOCKS = weakref.WeakKeyDictionary()
 
 
-def _check(
+def _config(
     compression: object,
     level: object,
     chunk_bytes: object,
     staging_bytes: object,
     exclude: object,
     metadata: object,
-    priority: object = "low",
-) -> tuple[str | None, tuple[str, ...], dict[str, Any]]:
-    if compression not in (None, "zstd", "auto"):
-        raise InvalidArgument(f"compression={compression!r}: use None, 'zstd' or 'auto'")
-    if priority not in ("low", "normal"):
-        raise InvalidArgument(f"priority={priority!r}: use 'low' (the default) or 'normal'")
-    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
-        raise InvalidArgument(f"level={level!r}: zstd levels are ints from -7 to 22")
-    for name, value in (("chunk_bytes", chunk_bytes), ("staging_bytes", staging_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 4096:
-            raise InvalidArgument(f"{name}={value!r}: pass a number of bytes >= 4096")
-    assert isinstance(chunk_bytes, int)
-    assert isinstance(staging_bytes, int)
-    if staging_bytes < chunk_bytes:
-        raise InvalidArgument(
-            f"staging_bytes={staging_bytes} is smaller than chunk_bytes={chunk_bytes}: the "
-            "pool must hold at least one chunk (two or more let copying and writing overlap)"
-        )
+    priority: object,
+) -> SaveConfig:
+    # A single pattern is a str; any iterable of them is fine, but only a list converts.
     if isinstance(exclude, str):
-        exclude = (exclude,)
-    if not isinstance(exclude, Iterable) or not all(isinstance(p, str) for p in exclude):
-        raise InvalidArgument(f"exclude={exclude!r}: pass name patterns such as ['*.embed*']")
-    meta = {} if metadata is None else metadata
-    if not isinstance(meta, dict) or not all(isinstance(k, str) for k in meta):
-        raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys")
-    try:
-        msgspec.msgpack.encode(meta)
-    except (TypeError, msgspec.EncodeError) as exc:
-        raise InvalidArgument(
-            f"metadata cannot be stored ({exc}): use str keys and plain values "
-            "(numbers, strings, lists, dicts)"
-        ) from None
-    return compression, tuple(exclude), meta
+        exclude = [exclude]
+    elif isinstance(exclude, Iterable) and not isinstance(exclude, bytes | dict):
+        exclude = list(exclude)
+    values = {
+        "compression": compression,
+        "level": level,
+        "chunk_bytes": chunk_bytes,
+        "staging_bytes": staging_bytes,
+        "exclude": exclude,
+        "metadata": {} if metadata is None else metadata,
+        "priority": priority,
+    }
+    return build(SaveConfig, values, "save()")
 
 
 async def save(
@@ -90,7 +74,7 @@ async def save(
     *,
     compression: Literal["auto", "zstd"] | None = "auto",
     level: int = 1,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
     staging_bytes: int = DEFAULT_STAGING_BYTES,
     exclude: Iterable[str] = (),
     metadata: dict[str, Any] | None = None,
@@ -132,9 +116,7 @@ async def save(
         UnsafeCheckpoint: ``obj`` cannot be pickled.
     """
     started = time.perf_counter()
-    compression_, patterns, meta = _check(
-        compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority
-    )
+    config = _config(compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority)
     resolved = resolve(target, store_options, writing=True)
     locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
     lock = locks.setdefault(resolved.url, asyncio.Lock())
@@ -143,21 +125,21 @@ async def save(
     sink: Sink | None = None
     try:
         structure, storages, entries = pickle_structure(obj)
-        pool = staging_pool(chunk_bytes)
-        pool.set_budget(staging_bytes)
+        pool = staging_pool(config.chunk_bytes)
+        pool.set_budget(config.staging_bytes)
         where = resolved.url.rpartition("/")[0]
         remote = resolved.store is not None and resolved.store.remote
-        codecs = Codecs(compression_, level, patterns, where, remote)
+        codecs = Codecs(config.compression, config.level, config.exclude, where, remote)
         sink = await open_sink(resolved)
         job = SaveJob(
             sink,
             structure,
             storages,
             entries,
-            meta,
+            config.metadata,
             pool,
             codecs,
-            background=priority == "low",
+            background=config.priority == "low",
             release_target=release_target,
         )
     except BaseException as exc:

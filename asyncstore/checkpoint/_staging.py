@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .._concurrency import TaskSet, after_fork_in_child, shield, to_thread
+from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES
 from ..errors import InvalidArgument
 from ..stores._direct import ALIGN
 from ._pickle import SavedStorage
@@ -38,10 +39,8 @@ __all__ = [
 ]
 
 MiB = 1 << 20
-GiB = 1 << 30
 
-DEFAULT_CHUNK_BYTES = 32 * MiB
-DEFAULT_STAGING_BYTES = 2 * GiB
+DEFAULT_CHUNK_BYTES = DEFAULT_SAVE_CHUNK_BYTES  # the reasons: SaveConfig
 
 
 class StagingPool:
