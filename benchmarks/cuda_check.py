@@ -11,7 +11,8 @@ before it, and that kernels queued after it (an optimizer step changing the weig
 place) do not change what is saved; GPU tensors on every device and CPU tensors in one
 state; a state larger than the staging budget; loads back to the saved devices and with
 ``map_location="cpu"``; ``into=`` filling GPU tensors in place; a crafted view past its
-storage refused on the GPU, where storages can grow. It then times a save's
+storage refused on the GPU, where storages can grow; a failed save's slabs reused only
+once its queued GPU copies have landed. It then times a save's
 blocking time beside ``tensor.cpu()`` of the same bytes and DCP ``async_save``. Exits 1 if
 a check fails.
 """
@@ -148,6 +149,31 @@ async def run(tmp: Path, size: int, check: Checks) -> None:
     await handle
     back = await asyncstore.load(tmp / "big.ckpt", map_location="cpu")
     check(same(back, want), "a GPU state 8x the staging budget round-trips")
+
+    # A save that fails while its GPU copies may still be queued gives its slabs back only
+    # once those copies have landed: the next save, reusing the slabs, must not be
+    # overwritten by them.
+    class Failing:
+        def write(self, data: Any) -> int:
+            raise OSError("the target failed")
+
+        def flush(self) -> None:
+            pass
+
+    pool = staging_pool(4 * MiB)
+    first = {f"f{i}": torch.randn(4 * MiB // 4, device=devices[0]) for i in range(8)}
+    failed = False
+    try:
+        await (await asyncstore.save(first, Failing(), chunk_bytes=4 * MiB, compression=None))
+    except OSError:
+        failed = True
+    second = {f"s{i}": torch.full((MiB,), float(i)) for i in range(8)}
+    await (await asyncstore.save(second, tmp / "after.ckpt", chunk_bytes=4 * MiB, compression=None))
+    again = await asyncstore.load(tmp / "after.ckpt")
+    check(
+        failed and same(again, second) and pool.allocated == len(pool._free),
+        "a failed GPU save's slabs are reused only after its queued copies landed",
+    )
 
     # Timings: blocking time of a later save beside the plain device-to-host copy.
     timed = {f"t{i}": torch.randn(size * MiB // 4 // 16, device=devices[0]) for i in range(16)}

@@ -83,8 +83,9 @@ class SaveJob:
        the slab, ``O_DIRECT``). Once the segment is written the writer gives the slab back
        at once, so that a snapshot larger than the pool can go on.
     4. A save that fails or is cancelled gives every slab still held back in
-       :meth:`_close`: after the snapshot has ended (it may still be copying into slabs)
-       and after every copy and encoder thread has ended.
+       :meth:`_close`: after the snapshot has ended (it may still be copying into slabs),
+       after every copy and encoder thread has ended, and after every device-to-host copy
+       queued on a GPU's side stream has landed (:meth:`Copier.drain`).
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class SaveJob:
         self._encoders = asyncio.Semaphore(ENCODERS)
         self._gate = asyncio.Event()  # set: encoders may run
         self._held: dict[int, torch.Tensor] = {}  # slabs out of the pool, by id
+        self._copier: Copier | None = None
         self._writer: asyncio.Task[SaveResult] | None = None
         self._snapshot_seconds: float | None = None  # set once the snapshot is taken
         self._running = {_SNAPSHOT, _WRITER}  # the parts not ended yet; the last one closes
@@ -137,9 +139,12 @@ class SaveJob:
 
     async def _close(self) -> None:
         try:
-            # Each copy and encoder ends only once its thread is done with its slab.
+            # Each copy and encoder ends only once its thread is done with its slab, and a
+            # GPU's queued copies into slabs end before the slabs go back.
             await self._tasks.aclose()
             forget_errors(self._unwritten())  # the save's error is the one reported
+            if self._held and self._copier is not None:
+                await self._copier.drain()
             for slab in self._held.values():
                 self._pool.release(slab)
             self._held.clear()
@@ -172,7 +177,7 @@ class SaveJob:
         devices = {s.storage.device for s in self._storages if s.storage.device.type == "cuda"}
         error: BaseException | None = None
         try:
-            copier = Copier(devices, self._tasks)
+            copier = self._copier = Copier(devices, self._tasks)
             try:
                 await self._plan(copier)
             finally:

@@ -304,6 +304,15 @@ class Copier:
         # Errors are retrieved here; finish() raises the first one.
         await shield(asyncio.gather(*self._running, return_exceptions=True))
 
+    async def drain(self) -> None:
+        """Wait until every device-to-host copy queued on the side streams is done.
+
+        For a save that ends early: its slabs go back to the pool, and another save may
+        fill them; a copy still queued on a GPU would write into them afterwards.
+        """
+        for stream in self._streams.values():
+            await to_thread(stream.synchronize)
+
     def finish(self) -> None:
         """After :meth:`settle`, once the snapshot is taken: raise the first copy's error,
         and order the caller's later GPU work after the side streams' copies."""
