@@ -1,105 +1,39 @@
-"""A fault-injecting HTTP/1.1 TCP proxy for exercising client retry and timeout paths."""
+"""A fault-injecting HTTP/1.1 TCP proxy for exercising client retry and timeout paths.
+
+This module owns :class:`FaultProxy`: its fault settings and counters, its event loop thread,
+and the handling of each client connection (which requests to fail, stall, reset or forward,
+and relaying the server's responses back). How HTTP messages are framed on the wire lives in
+:mod:`asyncstore.testing._http`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import http
 import logging
 import socket
 import struct
 import threading
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 from .._concurrency import TaskSet
+from ._http import CHUNK, STREAM_LIMIT, Head, copy_body, discard, error_response, read_head
 
 _log = logging.getLogger("asyncstore.testing")
 
-_STREAM_LIMIT = 1 << 20  # longest request/response head or chunk-size line accepted
-_CHUNK = 1 << 16
-_ERROR_CODES = {429: "SlowDown", 500: "InternalError", 503: "ServiceUnavailable"}
 ENCODINGS = ("close", "chunked")
 """Body framings :meth:`FaultProxy.middlebox` rewrites responses into."""
 CUTS = ("header", "first", "middle", "last")
 """Where :meth:`FaultProxy.middlebox` cuts a rewritten response: inside its head, before the
 first body byte, in the middle of the body, just before its last byte."""
 
-_Write = Callable[[bytes], Awaitable[None]]
-
 
 class _ResetNow(Exception):
     """Raised by the response relay once the armed reset's byte budget is spent."""
-
-
-@dataclass
-class _Head:
-    """A parsed HTTP request or response head."""
-
-    raw: bytes
-    start_line: str
-    headers: dict[str, str]
-
-    @classmethod
-    def parse(cls, raw: bytes) -> _Head:
-        lines = raw.decode("latin-1").split("\r\n")
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if sep:
-                key = name.strip().lower()
-                # Repeated fields are equivalent to one comma-joined field (RFC 9110 5.3).
-                value = value.strip()
-                headers[key] = f"{headers[key]}, {value}" if key in headers else value
-        return cls(raw, lines[0], headers)
-
-    @property
-    def chunked(self) -> bool:
-        """Whether the body uses chunked transfer coding."""
-        return "chunked" in self.headers.get("transfer-encoding", "").lower()
-
-    @property
-    def content_length(self) -> int:
-        """The declared body length, 0 when absent."""
-        return int(self.headers.get("content-length", "0") or 0)
-
-
-async def _read_head(reader: asyncio.StreamReader) -> _Head | None:
-    """Read one message head; None on a clean EOF before its first byte."""
-    try:
-        raw = await reader.readuntil(b"\r\n\r\n")
-    except asyncio.IncompleteReadError as exc:
-        if exc.partial.strip():
-            raise ConnectionError("connection closed inside a message head") from exc
-        return None
-    return _Head.parse(raw)
-
-
-async def _copy_exact(reader: asyncio.StreamReader, write: _Write, size: int) -> None:
-    while size > 0:
-        data = await reader.read(min(size, _CHUNK))
-        if not data:
-            raise ConnectionError("connection closed inside a message body")
-        size -= len(data)
-        await write(data)
-
-
-async def _copy_chunked(reader: asyncio.StreamReader, write: _Write) -> None:
-    while True:
-        size_line = await reader.readuntil(b"\r\n")
-        await write(size_line)
-        size = int(size_line.split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            break
-        await _copy_exact(reader, write, size + 2)  # chunk data plus its CRLF
-    while True:  # trailer fields, ended by an empty line
-        line = await reader.readuntil(b"\r\n")
-        await write(line)
-        if line == b"\r\n":
-            return
 
 
 def _unchunk(framed: bytes) -> bytes:
@@ -115,18 +49,7 @@ def _unchunk(framed: bytes) -> bytes:
         pos = eol + 2 + size + 2
 
 
-async def _copy_body(reader: asyncio.StreamReader, write: _Write, head: _Head) -> None:
-    if head.chunked:
-        await _copy_chunked(reader, write)
-    else:
-        await _copy_exact(reader, write, head.content_length)
-
-
-async def _discard(_: bytes) -> None:
-    return None
-
-
-def _rewrite(head: _Head, body: bytes, encoding: str, cut: str | None) -> tuple[bytes, int]:
+def _rewrite(head: Head, body: bytes, encoding: str, cut: str | None) -> tuple[bytes, int]:
     """Re-frame a response as ``encoding``; return it and how many of its bytes to send.
 
     The head keeps every field but the framing ones (``Content-Length``,
@@ -140,7 +63,7 @@ def _rewrite(head: _Head, body: bytes, encoding: str, cut: str | None) -> tuple[
             lines.append(line)
     if encoding == "chunked":
         lines.append("Transfer-Encoding: chunked")
-        pieces = [body[i : i + _CHUNK] for i in range(0, len(body), _CHUNK)]
+        pieces = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)]
         framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
     else:
         lines.append("Connection: close")  # the body ends where the connection does
@@ -151,9 +74,9 @@ def _rewrite(head: _Head, body: bytes, encoding: str, cut: str | None) -> tuple[
         """Offset in ``framed`` of body byte ``index``."""
         if encoding != "chunked":
             return index
-        whole, within = divmod(index, _CHUNK)
-        before = whole * (len(b"%x\r\n" % _CHUNK) + _CHUNK + 2)
-        size = min(_CHUNK, len(body) - whole * _CHUNK)
+        whole, within = divmod(index, CHUNK)
+        before = whole * (len(b"%x\r\n" % CHUNK) + CHUNK + 2)
+        size = min(CHUNK, len(body) - whole * CHUNK)
         return before + len(b"%x\r\n" % size) + within
 
     response = new_head + framed
@@ -174,28 +97,6 @@ def _rst(writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
-
-
-def _error_response(status: int, request: _Head, request_id: str, close: bool) -> bytes:
-    try:
-        reason = http.HTTPStatus(status).phrase
-    except ValueError:
-        reason = "Injected Fault"
-    code = _ERROR_CODES.get(status, "InjectedFault")
-    body = (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        f"<Error><Code>{code}</Code><Message>Fault injected by asyncstore FaultProxy"
-        f"</Message><RequestId>{request_id}</RequestId></Error>"
-    ).encode()
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\n"
-        "Content-Type: application/xml\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        f"x-amz-request-id: {request_id}\r\n"
-        f"Connection: {'close' if close else 'keep-alive'}\r\n\r\n"
-    ).encode()
-    # A response to HEAD announces the length but must not carry the body.
-    return head if request.start_line.startswith("HEAD ") else head + body
 
 
 class _Downstream:
@@ -499,7 +400,7 @@ class FaultProxy:
 
     async def _listen(self) -> None:
         self._server = await asyncio.start_server(
-            self._serve, "127.0.0.1", self.port, limit=_STREAM_LIMIT, reuse_address=True
+            self._serve, "127.0.0.1", self.port, limit=STREAM_LIMIT, reuse_address=True
         )
         self.port = self._server.sockets[0].getsockname()[1]
 
@@ -542,7 +443,7 @@ class FaultProxy:
             conn.close()
 
     async def _serve_requests(self, conn: _Connection) -> None:
-        while (head := await _read_head(conn.reader)) is not None:
+        while (head := await read_head(conn.reader)) is not None:
             # The client waits for "100 Continue" before sending a body, or may give up
             # waiting and send it anyway, so an unforwarded body has no reliable end.
             expect_continue = "100-continue" in head.headers.get("expect", "").lower() and (
@@ -578,14 +479,14 @@ class FaultProxy:
             if action == "stall":
                 conn.stalled = True
                 if not expect_continue:
-                    await _copy_body(conn.reader, _discard, head)
+                    await copy_body(conn.reader, discard, head)
                 await asyncio.Event().wait()  # until stall(False), refuse() or stop() cancels
             elif action == "fail":
                 if not expect_continue:
-                    await _copy_body(conn.reader, _discard, head)
+                    await copy_body(conn.reader, discard, head)
                 with self._lock:
                     request_id = f"asyncstore-fault-{self.failed}"
-                conn.writer.write(_error_response(status, head, request_id, expect_continue))
+                conn.writer.write(error_response(status, head, request_id, expect_continue))
                 await conn.writer.drain()
                 if expect_continue:
                     return
@@ -597,14 +498,14 @@ class FaultProxy:
     async def _forward(
         self,
         conn: _Connection,
-        head: _Head,
+        head: Head,
         reset_after: int | None,
         rewrite: tuple[str, str | None] | None = None,
     ) -> None:
         if conn.upstream is None:
             # Opened lazily so that injected errors never leave an upstream exchange half done.
             conn.upstream = await asyncio.open_connection(
-                self.upstream_host, self.upstream_port, limit=_STREAM_LIMIT
+                self.upstream_host, self.upstream_port, limit=STREAM_LIMIT
             )
             conn.relays.spawn(self._relay_responses(conn), name="FaultProxy relay", detached=True)
         up_writer = conn.upstream[1]
@@ -620,7 +521,7 @@ class FaultProxy:
         conn.pending.append(_Pending(method, reset_after, rewrite))
         conn.body_done = False
         await write_up(head.raw)
-        await _copy_body(conn.reader, write_up, head)
+        await copy_body(conn.reader, write_up, head)
         conn.body_done = True
 
     async def _relay_responses(self, conn: _Connection) -> None:
@@ -644,7 +545,7 @@ class FaultProxy:
         """Relay responses one by one; return whether the client connection must be reset."""
         assert conn.upstream is not None
         up_reader = conn.upstream[0]
-        while (head := await _read_head(up_reader)) is not None:
+        while (head := await read_head(up_reader)) is not None:
             request = conn.pending[0] if conn.pending else _Pending("GET", None)
             status = int(head.start_line.split(" ", 2)[1])
             if 100 <= status < 200:
@@ -665,9 +566,9 @@ class FaultProxy:
             if request.method == "HEAD" or status in (204, 304):
                 pass
             elif head.chunked or "content-length" in head.headers:
-                await _copy_body(up_reader, down.write, head)
+                await copy_body(up_reader, down.write, head)
             else:
-                while data := await up_reader.read(_CHUNK):  # body runs until EOF
+                while data := await up_reader.read(CHUNK):  # body runs until EOF
                     await down.write(data)
                 return down.budget is not None
             if down.budget is not None:
@@ -680,7 +581,7 @@ class FaultProxy:
         self,
         conn: _Connection,
         up_reader: asyncio.StreamReader,
-        head: _Head,
+        head: Head,
         encoding: str,
         cut: str | None,
     ) -> None:
@@ -695,11 +596,11 @@ class FaultProxy:
             parts.append(data)
 
         if head.chunked or "content-length" in head.headers:
-            await _copy_body(up_reader, collect, head)
+            await copy_body(up_reader, collect, head)
             if head.chunked:  # keep the payload, not the server's framing
                 parts = [_unchunk(b"".join(parts))]
         else:
-            while data := await up_reader.read(_CHUNK):
+            while data := await up_reader.read(CHUNK):
                 parts.append(data)
         response, send = _rewrite(head, b"".join(parts), encoding, cut)
         with self._lock:
