@@ -17,7 +17,7 @@ import pytest
 import asyncstore
 from asyncstore import StoreUnavailable
 from asyncstore.testing import FaultProxy, SeaweedFS
-from asyncstore.testing._proxy import CUTS, ENCODINGS
+from asyncstore.testing._http import CUTS, ENCODINGS
 
 from .conftest import BUCKET, MiB, s3_options, unique
 

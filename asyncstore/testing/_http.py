@@ -1,5 +1,6 @@
 """HTTP/1.1 framing for the fault proxy: reading message heads, copying bodies delimited by
-``Content-Length`` or chunked coding, and building the S3-style error responses it injects.
+``Content-Length`` or chunked coding, building the S3-style error responses it injects, and
+re-framing (and cutting) response bodies the way :meth:`FaultProxy.middlebox` promises.
 
 Nothing here knows about faults or connections; :mod:`asyncstore.testing._proxy` decides what
 to do with each message and uses these helpers to move its bytes.
@@ -13,8 +14,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 STREAM_LIMIT = 1 << 20  # longest request/response head or chunk-size line accepted
-CHUNK = 1 << 16  # bytes read or written at a time when copying a body
+CHUNK = 1 << 16  # bytes copied at a time, and the chunk size of re-framed chunked bodies
 _ERROR_CODES = {429: "SlowDown", 500: "InternalError", 503: "ServiceUnavailable"}
+ENCODINGS = ("close", "chunked")
+"""Body framings :meth:`FaultProxy.middlebox` re-frames response bodies into."""
+CUTS = ("header", "first", "middle", "last")
+"""Where :meth:`FaultProxy.middlebox` cuts a rewritten response: inside its head, before the
+first body byte, in the middle of the body, just before its last byte."""
 
 Write = Callable[[bytes], Awaitable[None]]
 """Where a copied body goes: an async function given each piece in order."""
@@ -105,6 +111,60 @@ async def copy_body(reader: asyncio.StreamReader, write: Write, head: Head) -> N
 
 async def discard(_: bytes) -> None:
     """A :data:`Write` that drops what it is given, to consume a body nobody will see."""
+
+
+def unchunk(framed: bytes) -> bytes:
+    """The payload of a complete chunked body (chunk extensions and trailers dropped)."""
+    out: list[bytes] = []
+    pos = 0
+    while True:
+        eol = framed.index(b"\r\n", pos)
+        size = int(framed[pos:eol].split(b";", 1)[0].strip(), 16)
+        if size == 0:
+            return b"".join(out)
+        out.append(framed[eol + 2 : eol + 2 + size])
+        pos = eol + 2 + size + 2
+
+
+def rewrite(head: Head, body: bytes, encoding: str, cut: str | None) -> tuple[bytes, int]:
+    """Re-frame a response as ``encoding``; return it and how many of its bytes to send.
+
+    The head keeps every field but the framing ones (``Content-Length``,
+    ``Transfer-Encoding``, ``Connection``), so a client can only learn the body's length from
+    ``Content-Range``, or not at all.
+    """
+    lines = [head.start_line]
+    for line in head.raw.decode("latin-1").split("\r\n")[1:]:
+        name = line.partition(":")[0].strip().lower()
+        if line and name not in ("content-length", "transfer-encoding", "connection"):
+            lines.append(line)
+    if encoding == "chunked":
+        lines.append("Transfer-Encoding: chunked")
+        pieces = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)]
+        framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    else:
+        lines.append("Connection: close")  # the body ends where the connection does
+        framed = body
+    new_head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def position(index: int) -> int:
+        """Offset in ``framed`` of body byte ``index``."""
+        if encoding != "chunked":
+            return index
+        whole, within = divmod(index, CHUNK)
+        before = whole * (len(b"%x\r\n" % CHUNK) + CHUNK + 2)
+        size = min(CHUNK, len(body) - whole * CHUNK)
+        return before + len(b"%x\r\n" % size) + within
+
+    response = new_head + framed
+    if cut is None:
+        return response, len(response)
+    if cut == "header":
+        return response, len(new_head) // 2
+    if cut == "first" or not body:
+        return response, len(new_head)
+    index = len(body) // 2 if cut == "middle" else len(body) - 1
+    return response, len(new_head) + position(index)
 
 
 def error_response(status: int, request: Head, request_id: str, close: bool) -> bytes:

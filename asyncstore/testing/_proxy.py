@@ -21,73 +21,25 @@ from types import TracebackType
 from typing import Any
 
 from .._concurrency import TaskSet
-from ._http import CHUNK, STREAM_LIMIT, Head, copy_body, discard, error_response, read_head
+from ._http import (
+    CHUNK,
+    CUTS,
+    ENCODINGS,
+    STREAM_LIMIT,
+    Head,
+    copy_body,
+    discard,
+    error_response,
+    read_head,
+    rewrite,
+    unchunk,
+)
 
 _log = logging.getLogger("asyncstore.testing")
-
-ENCODINGS = ("close", "chunked")
-"""Body framings :meth:`FaultProxy.middlebox` rewrites responses into."""
-CUTS = ("header", "first", "middle", "last")
-"""Where :meth:`FaultProxy.middlebox` cuts a rewritten response: inside its head, before the
-first body byte, in the middle of the body, just before its last byte."""
 
 
 class _ResetNow(Exception):
     """Raised by the response relay once the armed reset's byte budget is spent."""
-
-
-def _unchunk(framed: bytes) -> bytes:
-    """The payload of a complete chunked body (chunk extensions and trailers dropped)."""
-    out: list[bytes] = []
-    pos = 0
-    while True:
-        eol = framed.index(b"\r\n", pos)
-        size = int(framed[pos:eol].split(b";", 1)[0].strip(), 16)
-        if size == 0:
-            return b"".join(out)
-        out.append(framed[eol + 2 : eol + 2 + size])
-        pos = eol + 2 + size + 2
-
-
-def _rewrite(head: Head, body: bytes, encoding: str, cut: str | None) -> tuple[bytes, int]:
-    """Re-frame a response as ``encoding``; return it and how many of its bytes to send.
-
-    The head keeps every field but the framing ones (``Content-Length``,
-    ``Transfer-Encoding``, ``Connection``), so a client can only learn the body's length from
-    ``Content-Range``, or not at all.
-    """
-    lines = [head.start_line]
-    for line in head.raw.decode("latin-1").split("\r\n")[1:]:
-        name = line.partition(":")[0].strip().lower()
-        if line and name not in ("content-length", "transfer-encoding", "connection"):
-            lines.append(line)
-    if encoding == "chunked":
-        lines.append("Transfer-Encoding: chunked")
-        pieces = [body[i : i + CHUNK] for i in range(0, len(body), CHUNK)]
-        framed = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
-    else:
-        lines.append("Connection: close")  # the body ends where the connection does
-        framed = body
-    new_head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-    def position(index: int) -> int:
-        """Offset in ``framed`` of body byte ``index``."""
-        if encoding != "chunked":
-            return index
-        whole, within = divmod(index, CHUNK)
-        before = whole * (len(b"%x\r\n" % CHUNK) + CHUNK + 2)
-        size = min(CHUNK, len(body) - whole * CHUNK)
-        return before + len(b"%x\r\n" % size) + within
-
-    response = new_head + framed
-    if cut is None:
-        return response, len(response)
-    if cut == "header":
-        return response, len(new_head) // 2
-    if cut == "first" or not body:
-        return response, len(new_head)
-    index = len(body) // 2 if cut == "middle" else len(body) - 1
-    return response, len(new_head) + position(index)
 
 
 def _rst(writer: asyncio.StreamWriter) -> None:
@@ -598,11 +550,11 @@ class FaultProxy:
         if head.chunked or "content-length" in head.headers:
             await copy_body(up_reader, collect, head)
             if head.chunked:  # keep the payload, not the server's framing
-                parts = [_unchunk(b"".join(parts))]
+                parts = [unchunk(b"".join(parts))]
         else:
             while data := await up_reader.read(CHUNK):
                 parts.append(data)
-        response, send = _rewrite(head, b"".join(parts), encoding, cut)
+        response, send = rewrite(head, b"".join(parts), encoding, cut)
         with self._lock:
             self.rewritten += 1
             if cut is not None:
