@@ -6,19 +6,12 @@ Layout::
     DIR/index.lock          the writers' lock (empty; only its ``flock`` matters)
     DIR/segments/ID.seg     segment files: entries appended back to back
 
-Entries are packed into segment files rather than kept one file each. Creating a file costs
-far more than appending the same bytes to an open one: on the benchmark machine a new
-inode cost 0.03-1.5 ms of kernel time, appending 50 KB 0.03 ms, and a dataset of ten million
-samples would otherwise be ten million inodes. Each writing process appends to a segment of
-its own until it reaches the segment size (``budget / 16``, at most 64 MiB), then starts a
-new one.
-
-An entry's name is the xxh3-128 of its source (the store's :attr:`~asyncstore.Store.identity`)
-and its cache key: stores sharing a directory never share names. Its record holds a header
-(magic, format version, an xxh3-64 checksum, the lengths) followed by the source, the key,
-the source's ETag and the payload; the checksum covers everything after itself. Readers check
-all of it, so a torn, truncated, foreign, older-format or bit-flipped record is never served:
-it is dropped and counted, and the caller refetches.
+Entries are packed into segment files, each process appending to one of its own (see
+:mod:`~asyncstore.cache._segments`). An entry's name is the xxh3-128 of its source (the
+store's :attr:`~asyncstore.Store.identity`) and its cache key: stores sharing a directory
+never share names. Its record carries both and a checksum, checked on every read (see
+:mod:`~asyncstore.cache._record`): a damaged record is dropped and counted, and the caller
+refetches.
 
 Why SQLite for the index: several processes insert and evict at once, and the budget is one
 number for all of them. A transaction (``BEGIN IMMEDIATE``, under the writers' lock) makes
@@ -58,9 +51,7 @@ import errno
 import fcntl
 import os
 import secrets
-import shutil
 import sqlite3
-import struct
 import threading
 import time
 import weakref
@@ -70,27 +61,15 @@ from pathlib import Path
 import xxhash
 
 from .._concurrency import after_fork_in_child
-from .._flock import try_lock
 from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError
+from . import _index, _segments
+from ._index import INDEX_VERSION
+from ._record import HEADER, decode, encode_head
+from ._segments import SEGMENT_MAX, SEGMENTS, open_record
 
-_MAGIC = b"ASCE"
-# 2: the source's identity in the name and the header, and the checksum over the whole
-# header. Records of another version fail the version check: dropped as damaged, refetched.
-_VERSION = 2
-# The index's layout (PRAGMA user_version). 3: entries packed in segment files. An index of
-# another layout (format 2 kept one file per entry) is emptied and set up anew on open: the
-# cache refills itself.
-_INDEX_VERSION = 3
-# magic, version, xxh3-64 of everything after it; then payload, source, key and ETag lengths
-_HEADER = struct.Struct("<4sHQQIII")
-_CHECKED_FROM = struct.calcsize("<4sHQ")  # where the checksummed part begins
 TOUCH_BATCH = 256
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-_SEGMENTS = "segments"
-SEGMENT_MAX = 64 << 20
-"""Largest segment a writer fills before starting another: evicting one frees at most this
-much, and a budget of 1 GiB holds 16 of them."""
 
 
 class WouldBlock:
@@ -105,9 +84,6 @@ RECLAIM_INTERVAL = 1.0
 past a segment's recorded end, and segment files the index does not know."""
 # Index lock waits: other processes hold it only for one batch's transaction.
 _BUSY_TIMEOUT_MS = 60_000
-# How long a commit waits for readers to truncate an oversized write-ahead log: readers
-# hold it for one query, so this is ample; when it is not, the next commit tries again.
-_CHECKPOINT_WAIT_MS = 200
 
 
 class DiskTier:
@@ -138,7 +114,7 @@ class DiskTier:
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self.directory.mkdir(parents=True, exist_ok=True)
         self._root = str(self.directory)
-        self._segment_dir = f"{self._root}/{_SEGMENTS}"
+        self._segment_dir = f"{self._root}/{SEGMENTS}"
         os.makedirs(self._segment_dir, exist_ok=True)
         self._segment_bytes = min(SEGMENT_MAX, max(4096, budget // 16))
         self._next_reclaim = 0.0
@@ -147,7 +123,7 @@ class DiskTier:
         self._tag = secrets.token_hex(4)
         self._active: int | None = None
         self._db_path = self.directory / "index.sqlite"
-        # Empty: only its lock matters (see _lock_writers).
+        # Empty: only its lock matters (see _index.lock_writers).
         self._lock_fd = os.open(
             f"{self._root}/index.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644
         )
@@ -181,42 +157,12 @@ class DiskTier:
         _OPEN_TIERS.add(self)
 
     def _set_up(self) -> None:
-        db = self._db
-        # WAL lets readers and one writer proceed together; NORMAL sync is enough for a cache
-        # (a lost index update after power loss only forgets or over-counts an entry, and the
-        # checksum protects every read).
-        db.execute("PRAGMA journal_mode=WAL")
-        db.execute("PRAGMA synchronous=NORMAL")
-        db.execute(f"PRAGMA journal_size_limit={self._wal_reserve}")
-        # Checkpoint before the log outgrows that reserve (SQLite's default waits for 4 MB).
-        db.execute(f"PRAGMA wal_autocheckpoint={max(16, self._wal_reserve // 4096)}")
-        (version,) = db.execute("PRAGMA user_version").fetchone()
-        if version == _INDEX_VERSION:
+        if _index.configure(self._db, self._wal_reserve) == INDEX_VERSION:
             return
         # New, or written by another format: start empty.
         with self._sql() as db:
-            for table in ("entries", "segments", "total"):
-                db.execute(f"DROP TABLE IF EXISTS {table}")  # names from the line above
-            db.execute(
-                "CREATE TABLE entries (name TEXT PRIMARY KEY, segment INTEGER NOT NULL, "
-                "offset INTEGER NOT NULL, size INTEGER NOT NULL) WITHOUT ROWID"
-            )
-            db.execute("CREATE INDEX entries_segment ON entries(segment)")
-            # AUTOINCREMENT: an id is never given twice, so a row never points into a file
-            # that a later segment of the same name replaced.
-            db.execute(
-                "CREATE TABLE segments (id INTEGER PRIMARY KEY AUTOINCREMENT, "
-                "bytes INTEGER NOT NULL, atime REAL NOT NULL, owner TEXT NOT NULL)"
-            )
-            db.execute("CREATE INDEX segments_atime ON segments(atime)")
-            db.execute(f"PRAGMA user_version={_INDEX_VERSION}")
-        for path in self.directory.iterdir():
-            # Format 2's entry shards ("ab/") and temp files ("tmp/").
-            if path.is_dir() and (len(path.name) == 2 or path.name == "tmp"):
-                shutil.rmtree(path, ignore_errors=True)
-        for name in os.listdir(self._segment_dir):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"{self._segment_dir}/{name}")
+            _index.create_tables(db)
+        _segments.remove_all(self.directory, self._segment_dir)
 
     # -- names and files ---------------------------------------------------------------------
 
@@ -266,34 +212,13 @@ class DiskTier:
             all(type(v) is int for v in (segment, offset, size))
             and segment > 0
             and offset >= 0
-            and _HEADER.size <= size <= self.budget
+            and HEADER.size <= size <= self.budget
         ):
             raise IntegrityError(
                 f"cache index row for {name} is damaged (segment {segment!r}, offset "
                 f"{offset!r}, size {size!r})"
             )
         return segment, offset, size
-
-    def _open_record(self, segment: int, offset: int, size: int, key: str) -> int | None:
-        """An open descriptor on the segment holding a record, or None if the segment is
-        gone (evicted since the lookup). Checked against the file before anything is
-        allocated for it: a record past the end is damage, not a short read."""
-        try:
-            fd = os.open(self.segment_path(segment), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        try:
-            length = os.fstat(fd).st_size
-        except BaseException:
-            os.close(fd)
-            raise
-        if offset + size > length:
-            os.close(fd)
-            raise IntegrityError(
-                f"cache entry for {key!r} runs past the end of its segment ({offset + size} "
-                f"of {length} bytes)"
-            )
-        return fd
 
     # -- read --------------------------------------------------------------------------------
 
@@ -314,7 +239,7 @@ class DiskTier:
             if found is None:
                 return None
             segment, offset, size = found
-            fd = self._open_record(segment, offset, size, key)
+            fd = open_record(self.segment_path(segment), offset, size, key)
             if fd is None:
                 return None  # evicted since the lookup
             try:
@@ -343,7 +268,7 @@ class DiskTier:
         if found is None:
             return None
         segment, offset, size = found
-        fd = self._open_record(segment, offset, size, key)
+        fd = open_record(self.segment_path(segment), offset, size, key)
         if fd is None:
             return None
         try:
@@ -364,7 +289,7 @@ class DiskTier:
         return self._accept(segment, buffer, key)
 
     def _accept(self, segment: int, raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
-        payload, etag = _decode(raw, self._identity_bytes, key)
+        payload, etag = decode(raw, self._identity_bytes, key)
         with self._touch_lock:
             self._touched[segment] = time.time()
             self._touches += 1
@@ -411,14 +336,10 @@ class DiskTier:
                 # and the rows of the segments it evicted are back, without their files.
                 self._active = None
                 for segment, end in started.items():
-                    with contextlib.suppress(OSError):
-                        if end:
-                            os.truncate(self.segment_path(segment), end)
-                        else:  # made by this batch: the index never knew it
-                            os.unlink(self.segment_path(segment))
+                    _segments.cut_back(self.segment_path(segment), end)
                 if victims:
                     with contextlib.suppress(sqlite3.Error), self._sql() as db:
-                        self._forget(db, victims)
+                        _index.forget(db, victims)
                 raise
             self._bound_log()
         return results
@@ -457,7 +378,7 @@ class DiskTier:
         for position, ((key, payload, etag), name) in enumerate(zip(items, names, strict=True)):
             if name in rows:  # the same key twice in one batch: the later one wins, kept or not
                 results[rows.pop(name)[3]] = False
-            head = _encode_head(self._identity_bytes, key, payload, etag)
+            head = encode_head(self._identity_bytes, key, payload, etag)
             size = len(head) + len(payload)
             if size > limit:
                 continue
@@ -469,14 +390,13 @@ class DiskTier:
                 if victim is None:
                     break
                 order.remove(victim)
-                self.evictions += self._forget(db, [victim])
+                self.evictions += _index.forget(db, [victim])
                 total -= sizes.pop(victim)
                 victims.append(victim)
                 # Gone before any byte of the batch is written: the directory never holds
                 # the victims and the new records at once. (A kill before the commit leaves
                 # their rows without files: read as misses, evicted in time.)
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.segment_path(victim))
+                _segments.remove(self.segment_path(victim))
                 if victim == active:
                     active = None
             if total + size > limit:
@@ -491,14 +411,7 @@ class DiskTier:
                 assert active is not None
                 sizes[active] = 0
                 started[active] = 0
-                # O_TRUNC: no row names this id yet, so whatever such a file holds is junk.
-                os.close(
-                    os.open(
-                        self.segment_path(active),
-                        os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                        0o644,
-                    )
-                )
+                _segments.create(self.segment_path(active))
             started.setdefault(active, sizes[active])
             rows[name] = (active, sizes[active], size, position)
             parts.setdefault(active, []).extend((head, payload))
@@ -517,45 +430,21 @@ class DiskTier:
         )
         self._active = active
 
-    @staticmethod
-    def _forget(db: sqlite3.Connection, segments: list[int]) -> int:
-        """Delete the rows of ``segments`` and of their entries; returns how many entries."""
-        entries = 0
-        for segment in segments:
-            cursor = db.execute("DELETE FROM entries WHERE segment = ?", (segment,))
-            entries += max(0, cursor.rowcount)
-            db.execute("DELETE FROM segments WHERE id = ?", (segment,))
-        return entries
-
     def _reclaim(self) -> None:
         """Give back what killed writers left (the caller holds the writers' lock, so no
         writer is mid-append): bytes past a segment's recorded end are truncated, and
         segment files the index does not know are unlinked."""
         self._next_reclaim = time.monotonic() + RECLAIM_INTERVAL
         sizes = dict(self._db.execute("SELECT id, bytes FROM segments").fetchall())
-        try:
-            names = os.listdir(self._segment_dir)
-        except FileNotFoundError:
+        names = _segments.listing(self._segment_dir)
+        if names is None:
             return
         # Rows whose files a writer killed before its commit had already unlinked.
-        missing = set(sizes) - {
-            int(n[:-4]) for n in names if n.endswith(".seg") and n[:-4].isdigit()
-        }
+        missing = set(sizes) - _segments.segment_ids(names)
         if missing:
             with self._sql() as db:
-                self._forget(db, sorted(missing))
-        for name in names:
-            stem, dot, suffix = name.partition(".")
-            path = f"{self._segment_dir}/{name}"
-            segment = int(stem) if stem.isdigit() and dot and suffix == "seg" else None
-            recorded = sizes.get(segment) if segment is not None else None
-            try:
-                if recorded is None:
-                    os.unlink(path)
-                elif os.stat(path).st_size > recorded:
-                    os.truncate(path, recorded)
-            except FileNotFoundError:
-                pass
+                _index.forget(db, sorted(missing))
+        _segments.give_back(self._segment_dir, names, sizes)
 
     def reclaim_dead_writers(self) -> None:
         """Give back now what killed writers left (writers do it themselves at most every
@@ -588,7 +477,7 @@ class DiskTier:
 
     @contextlib.contextmanager
     def _writers_locked(self) -> Iterator[None]:
-        self._lock_writers()
+        _index.lock_writers(self._lock_fd, self._root, _BUSY_TIMEOUT_MS)
         try:
             yield
         finally:
@@ -602,55 +491,9 @@ class DiskTier:
             os.close(self._lock_fd)
             self._lock_fd = -1
 
-    def _lock_writers(self) -> None:
-        """Take the lock that every process's writers share, or raise after
-        :data:`_BUSY_TIMEOUT_MS`.
-
-        Writers take it before SQLite's own lock, so that the log can be truncated with no
-        writer between two commits (see :meth:`_bound_log`), and so that whoever holds it
-        knows no other process is appending. It is polled at most every 5 ms (SQLite polls
-        its lock with sleeps of up to 100 ms). A killed holder's lock is released by the
-        kernel; a stopped one makes the others fail after the timeout, as SQLite's lock
-        would, which turns the tier off rather than hanging the job.
-        """
-        fd = self._lock_fd
-        if fd < 0:
-            raise sqlite3.OperationalError(
-                f"the disk cache at {self._root} was opened before this process forked, or "
-                "was closed; open it again here"
-            )
-        deadline = time.monotonic() + _BUSY_TIMEOUT_MS / 1000
-        pause = 0.0001
-        while not try_lock(fd):
-            if time.monotonic() > deadline:
-                raise sqlite3.OperationalError(
-                    f"the cache index in {self._root} stayed locked by another process "
-                    f"for {_BUSY_TIMEOUT_MS // 1000} s"
-                )
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-
     def _bound_log(self) -> None:
-        """Keep the write-ahead log within its reserve.
-
-        SQLite's automatic checkpoint is passive: while other processes keep reading, it
-        never finishes, the log is never restarted and it grows without bound (measured:
-        0.5 MB over a 600 KiB budget with six processes), shrinking the room left for entries
-        to nothing. Past the reserve, wait briefly for the readers and truncate it.
-        """
-        try:
-            size = os.stat(f"{self._db_path}-wal").st_size
-        except FileNotFoundError:
-            return
-        if size <= self._wal_reserve:
-            return
-        db = self._db
-        db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
-        try:
-            # Busy is not an error here: another writer holds the log; the next commit retries.
-            db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
-        finally:
-            db.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        # Truncated with no writer between two commits: see _index.bound_log.
+        _index.bound_log(self._db, self._db_path, self._wal_reserve, _BUSY_TIMEOUT_MS)
 
     def _limit(self) -> int:
         # The index counts against the budget, and its write-ahead log grows after this
@@ -684,8 +527,7 @@ class DiskTier:
             db.execute("DELETE FROM entries")
             db.execute("DELETE FROM segments")
             for segment in segments:  # as evictions do: gone before the commit
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.segment_path(segment))
+                _segments.remove(self.segment_path(segment))
         self._active = None
         with self._touch_lock:
             self._touched.clear()
@@ -706,11 +548,7 @@ class DiskTier:
             return int(count)
 
     def _db_bytes(self) -> int:
-        size = 0
-        for suffix in ("", "-wal", "-shm"):
-            with contextlib.suppress(FileNotFoundError):
-                size += os.stat(f"{self._db_path}{suffix}").st_size
-        return size
+        return _index.file_bytes(self._db_path)
 
     def flush_touches(self) -> None:
         """Write batched access times to the index (blocks)."""
@@ -762,53 +600,3 @@ def _append(path: str, offset: int, buffers: list[bytes]) -> None:
             advance(views, done)
     finally:
         os.close(fd)
-
-
-def _encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> bytes:
-    # What precedes the payload in an entry file: header, source, key, ETag.
-    key_bytes = key.encode()
-    etag_bytes = (etag or "").encode()
-    lengths = _HEADER.pack(
-        _MAGIC, _VERSION, 0, len(payload), len(identity), len(key_bytes), len(etag_bytes)
-    )[_CHECKED_FROM:]
-    checksum = xxhash.xxh3_64()
-    for part in (lengths, identity, key_bytes, etag_bytes, payload):
-        checksum.update(part)
-    start = _HEADER.pack(_MAGIC, _VERSION, checksum.intdigest(), 0, 0, 0, 0)[:_CHECKED_FROM]
-    return start + lengths + identity + key_bytes + etag_bytes
-
-
-def _decode(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
-    # Anything unexpected in a file is damage: whatever fails while reading it (a length that
-    # runs past the end, bytes that do not decode) must be dropped and refetched, not raised.
-    try:
-        return _decode_checked(raw, identity, key)
-    except IntegrityError:
-        raise
-    except Exception as exc:
-        raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
-
-
-def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
-    if len(raw) < _HEADER.size:
-        raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
-    magic, version, digest, length, id_len, key_len, etag_len = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or version != _VERSION:
-        raise IntegrityError(f"cache entry for {key!r} has an unknown format")
-    start = _HEADER.size + id_len + key_len + etag_len
-    if len(raw) != start + length:
-        raise IntegrityError(
-            f"cache entry for {key!r} holds {len(raw) - start} payload bytes, expected {length}"
-        )
-    view = memoryview(raw)
-    if xxhash.xxh3_64_intdigest(view[_CHECKED_FROM:]) != digest:
-        raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
-    at = _HEADER.size
-    if view[at : at + id_len] != identity:
-        raise IntegrityError(f"cache entry for {key!r} belongs to another store")
-    at += id_len
-    if view[at : at + key_len] != key.encode():
-        raise IntegrityError(f"cache entry for {key!r} belongs to another key")
-    at += key_len
-    etag = bytes(view[at:start]).decode() or None
-    return bytes(view[start:]), etag

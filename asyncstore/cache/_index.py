@@ -1,0 +1,133 @@
+"""The disk tier's SQLite index (``DIR/index.sqlite``): its tables, its settings, the size of
+its files, the bound on its write-ahead log, and the writers' lock (``DIR/index.lock``).
+
+Two tables: ``entries`` (name → segment, offset, size) and ``segments`` (id → recorded
+bytes, last access, owning writer). The tier opens and locks it; the transactions that
+change it are the tier's (see :mod:`asyncstore.cache._disk`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+from .._flock import try_lock
+
+INDEX_VERSION = 3
+"""The index's layout (``PRAGMA user_version``). 3: entries packed in segment files. An index
+of another layout (format 2 kept one file per entry) is emptied and set up anew on open: the
+cache refills itself."""
+
+# How long a commit waits for readers to truncate an oversized write-ahead log: readers
+# hold it for one query, so this is ample; when it is not, the next commit tries again.
+_CHECKPOINT_WAIT_MS = 200
+
+
+def configure(db: sqlite3.Connection, wal_reserve: int) -> int:
+    """Set the writing connection up; returns the layout version the index holds."""
+    # WAL lets readers and one writer proceed together; NORMAL sync is enough for a cache
+    # (a lost index update after power loss only forgets or over-counts an entry, and the
+    # checksum protects every read).
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute(f"PRAGMA journal_size_limit={wal_reserve}")
+    # Checkpoint before the log outgrows that reserve (SQLite's default waits for 4 MB).
+    db.execute(f"PRAGMA wal_autocheckpoint={max(16, wal_reserve // 4096)}")
+    (version,) = db.execute("PRAGMA user_version").fetchone()
+    return int(version)
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    """Replace whatever tables the index holds by empty ones of :data:`INDEX_VERSION`
+    (inside the caller's transaction)."""
+    for table in ("entries", "segments", "total"):
+        db.execute(f"DROP TABLE IF EXISTS {table}")  # names from the line above
+    db.execute(
+        "CREATE TABLE entries (name TEXT PRIMARY KEY, segment INTEGER NOT NULL, "
+        "offset INTEGER NOT NULL, size INTEGER NOT NULL) WITHOUT ROWID"
+    )
+    db.execute("CREATE INDEX entries_segment ON entries(segment)")
+    # AUTOINCREMENT: an id is never given twice, so a row never points into a file that a
+    # later segment of the same name replaced.
+    db.execute(
+        "CREATE TABLE segments (id INTEGER PRIMARY KEY AUTOINCREMENT, "
+        "bytes INTEGER NOT NULL, atime REAL NOT NULL, owner TEXT NOT NULL)"
+    )
+    db.execute("CREATE INDEX segments_atime ON segments(atime)")
+    db.execute(f"PRAGMA user_version={INDEX_VERSION}")
+
+
+def forget(db: sqlite3.Connection, segments: list[int]) -> int:
+    """Delete the rows of ``segments`` and of their entries; returns how many entries."""
+    entries = 0
+    for segment in segments:
+        cursor = db.execute("DELETE FROM entries WHERE segment = ?", (segment,))
+        entries += max(0, cursor.rowcount)
+        db.execute("DELETE FROM segments WHERE id = ?", (segment,))
+    return entries
+
+
+def file_bytes(db_path: Path) -> int:
+    """Bytes in the index's files: the database, its write-ahead log and shared memory."""
+    size = 0
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            size += os.stat(f"{db_path}{suffix}").st_size
+    return size
+
+
+def bound_log(db: sqlite3.Connection, db_path: Path, reserve: int, busy_timeout_ms: int) -> None:
+    """Keep the write-ahead log within ``reserve`` bytes; the caller holds the writers' lock.
+
+    ``busy_timeout_ms`` is the connection's usual wait for a lock, restored after the short
+    wait here.
+
+    SQLite's automatic checkpoint is passive: while other processes keep reading, it never
+    finishes, the log is never restarted and it grows without bound (measured: 0.5 MB over a
+    600 KiB budget with six processes), shrinking the room left for entries to nothing. Past
+    the reserve, wait briefly for the readers and truncate it.
+    """
+    try:
+        size = os.stat(f"{db_path}-wal").st_size
+    except FileNotFoundError:
+        return
+    if size <= reserve:
+        return
+    db.execute(f"PRAGMA busy_timeout={_CHECKPOINT_WAIT_MS}")
+    try:
+        # Busy is not an error here: another writer holds the log; the next commit retries.
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+    finally:
+        db.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+
+
+def lock_writers(fd: int, root: str, timeout_ms: int) -> None:
+    """Take the lock that every process's writers share (the open ``index.lock`` of the tier
+    in ``root``), or raise :class:`sqlite3.OperationalError` after ``timeout_ms``.
+
+    Writers take it before SQLite's own lock, so that the log can be truncated with no
+    writer between two commits (see :func:`bound_log`), and so that whoever holds it knows
+    no other process is appending. It is polled at most every 5 ms (SQLite polls its lock
+    with sleeps of up to 100 ms). A killed holder's lock is released by the kernel; a
+    stopped one makes the others fail after the timeout, as SQLite's lock would, which turns
+    the tier off rather than hanging the job. ``fd`` is -1 in a forked child (the parent's
+    lock is not the child's to take) and once the tier is closed.
+    """
+    if fd < 0:
+        raise sqlite3.OperationalError(
+            f"the disk cache at {root} was opened before this process forked, or "
+            "was closed; open it again here"
+        )
+    deadline = time.monotonic() + timeout_ms / 1000
+    pause = 0.0001
+    while not try_lock(fd):
+        if time.monotonic() > deadline:
+            raise sqlite3.OperationalError(
+                f"the cache index in {root} stayed locked by another process "
+                f"for {timeout_ms // 1000} s"
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)

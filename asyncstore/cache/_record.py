@@ -1,0 +1,84 @@
+"""The disk tier's record: how one entry is laid out in a segment, and how it is checked.
+
+A record holds a header (magic, format version, an xxh3-64 checksum, the lengths) followed
+by the source (the store's :attr:`~asyncstore.Store.identity`), the key, the source's ETag
+and the payload; the checksum covers everything after itself. Readers check all of it, so a
+torn, truncated, foreign, older-format or bit-flipped record is never served: :func:`decode`
+raises :class:`~asyncstore.errors.IntegrityError`, the tier drops the entry and the caller
+refetches.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+from ..errors import IntegrityError
+
+MAGIC = b"ASCE"
+# 2: the source's identity in the name and the header, and the checksum over the whole
+# header. Records of another version fail the version check: dropped as damaged, refetched.
+VERSION = 2
+# magic, version, xxh3-64 of everything after it; then payload, source, key and ETag lengths
+HEADER = struct.Struct("<4sHQQIII")
+CHECKED_FROM = struct.calcsize("<4sHQ")  # where the checksummed part begins
+
+
+def encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> bytes:
+    """What precedes ``payload`` in its record: header, source, key, ETag.
+
+    Kept apart from the payload so that a batch is appended without copying payloads into
+    one buffer.
+    """
+    key_bytes = key.encode()
+    etag_bytes = (etag or "").encode()
+    lengths = HEADER.pack(
+        MAGIC, VERSION, 0, len(payload), len(identity), len(key_bytes), len(etag_bytes)
+    )[CHECKED_FROM:]
+    checksum = xxhash.xxh3_64()
+    for part in (lengths, identity, key_bytes, etag_bytes, payload):
+        checksum.update(part)
+    start = HEADER.pack(MAGIC, VERSION, checksum.intdigest(), 0, 0, 0, 0)[:CHECKED_FROM]
+    return start + lengths + identity + key_bytes + etag_bytes
+
+
+def decode(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
+    """The payload and ETag of the record ``raw``, read for ``key`` of the source ``identity``.
+
+    Raises:
+        IntegrityError: the record is damaged, of another format, or of another source or key.
+    """
+    # Anything unexpected in a file is damage: whatever fails while reading it (a length that
+    # runs past the end, bytes that do not decode) must be dropped and refetched, not raised.
+    try:
+        return _decode_checked(raw, identity, key)
+    except IntegrityError:
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
+
+
+def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
+    if len(raw) < HEADER.size:
+        raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
+    magic, version, digest, length, id_len, key_len, etag_len = HEADER.unpack_from(raw)
+    if magic != MAGIC or version != VERSION:
+        raise IntegrityError(f"cache entry for {key!r} has an unknown format")
+    start = HEADER.size + id_len + key_len + etag_len
+    if len(raw) != start + length:
+        raise IntegrityError(
+            f"cache entry for {key!r} holds {len(raw) - start} payload bytes, expected {length}"
+        )
+    view = memoryview(raw)
+    if xxhash.xxh3_64_intdigest(view[CHECKED_FROM:]) != digest:
+        raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
+    at = HEADER.size
+    if view[at : at + id_len] != identity:
+        raise IntegrityError(f"cache entry for {key!r} belongs to another store")
+    at += id_len
+    if view[at : at + key_len] != key.encode():
+        raise IntegrityError(f"cache entry for {key!r} belongs to another key")
+    at += key_len
+    etag = bytes(view[at:start]).decode() or None
+    return bytes(view[start:]), etag
