@@ -156,7 +156,7 @@ async def test_long_non_ascii_names(local: asyncstore.LocalStore) -> None:
 def test_short_writes_are_completed() -> None:
     # Unbuffered writes may write less than asked (Linux caps one call near 2 GiB); the
     # store must loop. A file that takes at most 7 bytes per call stands in for that.
-    from asyncstore.stores.local import _write_all
+    from asyncstore.stores._localwrite import write_all as _write_all
 
     class Trickle:
         def __init__(self) -> None:

@@ -4,17 +4,18 @@ Every operation is one hop to a worker thread (a whole ``get`` or ``put`` is one
 per read call), through a limiter owned by the store, so slow disks cannot exhaust the
 process's default thread pool. Writes go to a temporary file in the destination directory,
 are fsynced, then renamed over the key: readers see the old file or the new one, never a mix.
+
+This module owns the options (:class:`LocalConfig`), the store (:class:`LocalStore`: paths
+and their containment in the root, errors, every operation) and its streaming reader and
+writer; the temporary files themselves and their cleanup live in :mod:`._localwrite`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import fcntl
+import functools
 import os
-import secrets
 import stat as statmod
-import threading
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Annotated, Any, TypeVar
 
@@ -22,17 +23,14 @@ import anyio
 import msgspec
 
 from .._concurrency import to_thread
-from .._flock import try_lock
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
-from ._direct import DirectAppender
 from ._keys import RESERVED_PREFIX, check_key
+from ._localwrite import TempFile, remove_abandoned, write_all
 
 __all__ = ["LocalConfig", "LocalStore"]
 
 _T = TypeVar("_T")
-
-_TMP_PREFIX = f"{RESERVED_PREFIX}-tmp-"
 
 
 class LocalConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -203,39 +201,7 @@ class LocalStore(BaseStore):
 
     def _clean_up_writes(self, key: str) -> int:
         directory, name = os.path.split(os.path.join(self._root, key))
-        hint = name.encode()[:150].decode(errors="ignore")
-        try:
-            names = os.listdir(directory)
-        except FileNotFoundError:
-            return 0
-        removed = 0
-        for entry in names:
-            # Exactly the names _TempFile gives for this key: prefix, 12 hex digits, name.
-            if not (
-                entry.startswith(_TMP_PREFIX)
-                and entry[len(_TMP_PREFIX) + 12 :] == f"-{hint}"
-                and all(
-                    c in "0123456789abcdef" for c in entry[len(_TMP_PREFIX) : len(_TMP_PREFIX) + 12]
-                )
-            ):
-                continue
-            path = os.path.join(directory, entry)
-            try:
-                # O_NONBLOCK: a FIFO given a reserved name must not block the cleanup.
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-            except FileNotFoundError:
-                continue
-            if not try_lock(fd):
-                os.close(fd)
-                continue  # its writer is alive
-            try:
-                os.unlink(path)
-                removed += 1
-            except FileNotFoundError:
-                pass
-            finally:
-                os.close(fd)
-        return removed
+        return remove_abandoned(directory, name)
 
     def local_error(self, exc: OSError, key: str, doing: str) -> Exception:
         """The asyncstore error for ``exc``, raised while ``doing`` (``"read"``…) ``key``."""
@@ -277,10 +243,19 @@ class LocalStore(BaseStore):
     async def _get(self, key: str, start: int, end: int | None) -> bytes:
         return await self._run(key, "read", self._get_sync, key, start, end)
 
+    def _temp_file(self, key: str, direct: bool = False) -> TempFile:
+        """The temporary file a write of ``key`` fills (see :class:`TempFile`)."""
+        return TempFile(
+            functools.partial(self._dir_for_write, key),
+            self.where(key),
+            fsync=self._config.fsync,
+            direct=direct,
+        )
+
     def _put_sync(self, key: str, data: memoryview) -> ObjectInfo:
-        with _TempFile(self, key) as tmp:
-            _write_all(tmp.file, data)
-            return tmp.commit()
+        with self._temp_file(key) as tmp:
+            write_all(tmp.file, data)
+            return self._info(key, tmp.commit())
 
     async def _put(self, key: str, data: memoryview) -> ObjectInfo:
         return await self._run(key, "write", self._put_sync, key, data)
@@ -412,144 +387,12 @@ class LocalStore(BaseStore):
         return _LocalReader(self, key, chunk_bytes)
 
 
-def _write_all(file: IO[bytes], data: memoryview) -> None:
-    # An unbuffered write is one system call, which may write less than asked (Linux stops
-    # at 2 GiB - 4 KiB per call): loop until every byte is down.
-    while len(data):
-        written = file.write(data)
-        if not written:
-            raise OSError(errno.EIO, "the file accepted no bytes")
-        data = data[written:]
-
-
-class _TempFile:
-    """A temporary file beside a key, renamed over it on :meth:`commit`, removed otherwise.
-
-    Used from worker threads only; every method blocks.
-    """
-
-    def __init__(self, store: LocalStore, key: str, direct: bool = False) -> None:
-        self.store = store
-        self.key = key
-        self.path = ""
-        self.tmp = ""
-        self.file: IO[bytes]
-        self.done = False
-        self.direct = direct
-        self.appender: DirectAppender | None = None
-        # Held by each write, commit and abort: an abort waits for a write still running in
-        # its thread (a cancelled caller does not stop the thread) before closing the file.
-        self.lock = threading.Lock()
-
-    def __enter__(self) -> _TempFile:
-        for _ in range(3):
-            self.path = self.store._dir_for_write(self.key)
-            directory, name = os.path.split(self.path)
-            # The name carries the target's name for whoever inspects a crashed directory, and
-            # the reserved prefix so no listing or key can ever see it.
-            # File names are limited to 255 bytes: keep at most 150 bytes of the target's name.
-            hint = name.encode()[:150].decode(errors="ignore")
-            self.tmp = os.path.join(directory, f"{_TMP_PREFIX}{secrets.token_hex(6)}-{hint}")
-            try:
-                self.file = open(self.tmp, "xb", buffering=0)
-            except FileNotFoundError:
-                continue  # a concurrent delete removed the empty directory: create it again
-            # Held until the file is renamed or removed; the kernel drops it when this
-            # process dies, which is how clean_up_writes() tells abandoned temp files.
-            if not self._lock_own_file():
-                continue  # a cleanup took it between its creation and the lock: start over
-            if self.direct:
-                try:
-                    self.appender = DirectAppender(self.tmp, self.file.fileno())
-                except BaseException:
-                    self.abort()
-                    raise
-            return self
-        raise StoreError(
-            f"cannot write {self.store.where(self.key)}: its directory keeps vanishing, or its "
-            "temporary files are removed as they are made (another process cleaning up?)"
-        )
-
-    def _lock_own_file(self) -> bool:
-        # Another process's clean_up_writes() may lock and remove the file in the moment
-        # before this lock: then the name no longer leads to our file, and we must not write
-        # into a file nobody can see.
-        fd = self.file.fileno()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            ours = os.fstat(fd)
-            there = os.stat(self.tmp)
-            if (ours.st_dev, ours.st_ino) == (there.st_dev, there.st_ino):
-                return True
-        except (BlockingIOError, FileNotFoundError):
-            pass
-        self.file.close()
-        return False
-
-    def write(self, data: memoryview) -> None:
-        with self.lock:
-            if self.done:
-                raise OSError(errno.EBADF, "the write was abandoned")
-            if self.appender is not None:
-                self.appender.write(data)
-            else:
-                _write_all(self.file, data)
-
-    def commit(self) -> ObjectInfo:
-        with self.lock:
-            return self._commit()
-
-    def _commit(self) -> ObjectInfo:
-        if self.appender is not None:
-            self.appender.finish()
-            self.appender.close()
-        fd = self.file.fileno()
-        if self.store.config.fsync:
-            os.fsync(fd)
-        st = os.fstat(fd)
-        try:
-            # Renamed while still open (and locked), so that no cleanup can take it first.
-            os.rename(self.tmp, self.path)
-        except IsADirectoryError:
-            raise StoreError(
-                f"cannot write {self.store.where(self.key)}: keys under it exist, and a local "
-                "store cannot hold both 'a' and keys under 'a/'"
-            ) from None
-        self.done = True
-        self.file.close()
-        if self.store.config.fsync:
-            # The rename is durable only once the directory entry is on disk too.
-            dir_fd = os.open(os.path.dirname(self.path), os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        return self.store._info(self.key, st)
-
-    def abort(self) -> None:
-        with self.lock:
-            if self.done:
-                return
-            self.done = True
-            if self.appender is not None:
-                self.appender.close()
-            file = getattr(self, "file", None)  # None if __enter__ failed before opening it
-            if file is not None:
-                file.close()
-        if self.tmp:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.tmp)
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.abort()
-
-
 class _LocalWriter(BaseWriter):
     _store: LocalStore
 
     def __init__(self, store: LocalStore, key: str) -> None:
         super().__init__(store, key)
-        self._tmp: _TempFile | None = None
+        self._tmp: TempFile | None = None
         self._direct = False
 
     @property
@@ -560,7 +403,7 @@ class _LocalWriter(BaseWriter):
         return appender.direct_bytes if appender is not None else 0
 
     async def _begin(self) -> None:
-        tmp = _TempFile(self._store, self._key, self._direct)
+        tmp = self._store._temp_file(self._key, self._direct)
         try:
             await self._store._run(self._key, "write", tmp.__enter__)
         finally:
@@ -574,7 +417,8 @@ class _LocalWriter(BaseWriter):
 
     async def _commit(self) -> ObjectInfo:
         assert self._tmp is not None
-        return await self._store._run(self._key, "write", self._tmp.commit)
+        st = await self._store._run(self._key, "write", self._tmp.commit)
+        return self._store._info(self._key, st)
 
     async def _abort(self) -> None:
         if self._tmp is not None:
