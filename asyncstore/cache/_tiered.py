@@ -4,6 +4,8 @@ A read looks in memory, then on disk, then asks the store; what a lower tier ret
 copied into the tiers above it. Concurrent reads of one missing entry share one fetch (single
 flight): the fetch runs as its own task, so a reader that is cancelled or times out does not
 cancel it for the others, and an error reaches every reader without being cached.
+Entries fetched from the store reach the disk tier afterwards, in batches written in the
+background (see :mod:`~asyncstore.cache._writes`).
 
 Ranged reads are served from fixed-size blocks (``block_bytes``) cached like small objects,
 so the hot regions of a huge object stay local without caching all of it.
@@ -32,6 +34,8 @@ from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
 from ._memory import MemoryTier
 from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
+from ._warm import check_keys, read_all
+from ._writes import DiskWrites, Entry
 
 logger = logging.getLogger("asyncstore.cache")
 
@@ -45,44 +49,8 @@ RANGE_WINDOW = 16
 """Most blocks of one ranged read fetched at once: 128 MiB of 8 MiB blocks in flight keeps
 a store busy, and bounds the empty reads past an object's end a too-long range costs."""
 
-WRITE_QUEUE_BYTES = 256 * MiB
-"""Fetched bytes waiting to be written to the disk tier; past this, writes are skipped (the
-reads they came from have been served already) rather than let memory grow."""
-
-WRITE_BATCH = 64
-"""Entries that make a disk-tier write batch worth starting at once (see WRITE_DELAY)."""
-
-WRITE_DELAY = 0.02
-"""Seconds a smaller batch waits for more entries before it is written. Each batch costs a
-thread hop and an index transaction (about 0.3 ms here, whatever its size); one entry of
-50 KB costs about 0.05 ms to append. A cold epoch fetches an entry every millisecond or
-two, so without the wait most batches held one or two entries. Entries waiting are served
-from memory meanwhile (never fetched again), and closing the cache writes them at once."""
-
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
-
-
-def _positive(name: str, value: object, *, allow_none: bool = False, unit: str = "bytes") -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise InvalidArgument(f"{name}={value!r}: pass a positive number of {unit}")
-
-
-def _key_list(keys: object, method: str) -> None:
-    # A str is iterable too, and each of its characters a valid key: refuse it rather than
-    # read "a", "b", "c".
-    if isinstance(keys, str | bytes | bytearray | memoryview):
-        raise InvalidArgument(
-            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable of "
-            f"keys, for example [{keys!r}]"
-        )
-    if not isinstance(keys, Iterable | AsyncIterable):
-        raise InvalidArgument(
-            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable "
-            "of str keys"
-        )
 
 
 class TieredCache(AsyncResource):
@@ -167,14 +135,6 @@ class TieredCache(AsyncResource):
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks = TaskSet(f"the cache over {store.url}")
         self._flushing = False
-        self._writing = False
-        self._write_task: asyncio.Future[None] | None = None
-        self._batch_full = asyncio.Event()
-        self._pending: list[tuple[str, bytes, str | None]] = []
-        self._pending_bytes = 0
-        # Every entry queued for the disk tier or being written to it, by cache key: until it
-        # is on disk, a read is served from these bytes, never fetched again.
-        self._unwritten: dict[str, tuple[str, bytes, str | None]] = {}
         self._generations: dict[str, int] = {}  # bumped by invalidate()
         # validate="etag": ETag of each cached entry, and the last checked ETag per object.
         self._entry_etags: dict[str, str | None] = {}
@@ -182,6 +142,7 @@ class TieredCache(AsyncResource):
         self._gets = 0
         self._mem_stats = TierStats()
         self._disk_stats = TierStats(enabled=disk_dir is not None)
+        self._writes = DiskWrites(self._write_entries, self._background, self._disk_stats)
         self._store_stats = StoreFetchStats()
         self._latency = LatencyWindow()
 
@@ -211,7 +172,7 @@ class TieredCache(AsyncResource):
         await super().aclose()
 
     async def _on_close(self) -> None:
-        self._batch_full.set()  # a batch waiting for more entries goes now
+        self._writes.hurry()  # a batch waiting for more entries goes now
         # Let fetches and disk writes finish: a cancelled write would only waste the fetch,
         # and every task is bounded by the store's own timeouts. A finishing fetch may queue
         # a write task: wait until none is left.
@@ -258,7 +219,7 @@ class TieredCache(AsyncResource):
             return None
         key = check_key(key, self._store.url)
         value = self._memory.get(key)
-        if value is None and (queued := self._unwritten.get(key)) is not None:
+        if value is None and (queued := self._writes.unwritten.get(key)) is not None:
             value = self._promote(key, queued[1])
         if value is not None:
             self._gets += 1
@@ -337,7 +298,7 @@ class TieredCache(AsyncResource):
         if value is not None and not await self._fresh(cache_key, key):
             value = None
         # Fetched, and still on its way to the disk tier: these bytes are in memory.
-        queued = self._unwritten.get(cache_key) if value is None else None
+        queued = self._writes.unwritten.get(cache_key) if value is None else None
         if queued is not None and (
             self._validate == "none" or queued[2] == await self._current_etag(key)
         ):
@@ -392,7 +353,7 @@ class TieredCache(AsyncResource):
         if not self._memory.put(cache_key, data):
             self._mem_stats.bypassed += 1
         if from_store and self._disk is not None:
-            self._queue_write(cache_key, data, etag)
+            self._writes.queue(cache_key, data, etag)
 
     async def _load(
         self, cache_key: str, key: str, load: _Loader
@@ -492,43 +453,9 @@ class TieredCache(AsyncResource):
             self._mem_stats.bypassed += 1
         return data
 
-    def _queue_write(self, cache_key: str, data: bytes, etag: str | None) -> None:
-        # Writes go to disk in batches, one thread hop and one index transaction each: per
-        # entry, both cost more than writing a small entry's file.
-        if self._pending_bytes + len(data) > WRITE_QUEUE_BYTES:
-            self._disk_stats.bypassed += 1  # the disk cannot keep up: skip, it is a cache
-            return
-        item = (cache_key, data, etag)
-        self._pending.append(item)
-        self._unwritten[cache_key] = item
-        self._pending_bytes += len(data)
-        if len(self._pending) >= WRITE_BATCH:
-            self._batch_full.set()
-        if not self._writing:
-            self._writing = True
-            self._write_task = self._background(self._write_pending(), "disk writes")
-
-    async def _write_pending(self) -> None:
-        try:
-            while self._pending and self._disk is not None:
-                if len(self._pending) < WRITE_BATCH and self._state == "open":
-                    self._batch_full.clear()
-                    with anyio.move_on_after(WRITE_DELAY):
-                        await self._batch_full.wait()
-                    if self._disk is None:
-                        break
-                batch, self._pending, self._pending_bytes = self._pending, [], 0
-                try:
-                    kept = await self._disk_call(self._disk.write_many, batch)
-                finally:
-                    for item in batch:
-                        if self._unwritten.get(item[0]) is item:  # not queued again since
-                            del self._unwritten[item[0]]
-                if kept is not None:
-                    # Larger than the room the budget leaves: served, not kept.
-                    self._disk_stats.bypassed += kept.count(False)
-        finally:
-            self._writing = False
+    async def _write_entries(self, batch: list[Entry]) -> list[bool] | None:
+        disk = self._disk
+        return None if disk is None else await self._disk_call(disk.write_many, batch)
 
     async def _flush_touches(self, disk: DiskTier) -> None:
         try:
@@ -540,13 +467,6 @@ class TieredCache(AsyncResource):
         # Nobody awaits these tasks: a fetch hands its result to a future, writes and
         # flushes report through the tier's stats. aclose() waits for all of them.
         return self._tasks.spawn(coro, name=name, detached=True)
-
-    async def _settle_writes(self) -> None:
-        # A batch already handed to the disk thread lands whatever we do: wait for it, so
-        # that a removal made after this call cannot be undone by it.
-        task = self._write_task
-        if task is not None and not task.done():
-            await asyncio.wait([task])
 
     async def _disk_call(self, func: Callable[..., T], *args: object) -> T | None:
         try:
@@ -570,8 +490,7 @@ class TieredCache(AsyncResource):
                 self._store.url,
             )
         disk, self._disk = self._disk, None
-        self._pending, self._pending_bytes = [], 0
-        self._unwritten.clear()
+        self._writes.stop()
         if disk is not None:
             # Closing waits for the index lock, which a worker thread may hold for a while:
             # never on the event loop.
@@ -597,40 +516,8 @@ class TieredCache(AsyncResource):
                 cancelled. (Notes are not added: single flight shares the error object
                 with other readers of the key.)
         """
-        _key_list(keys, "warm")
-        _positive("max_inflight", max_inflight, unit="reads at once, for example 32")
-        limit = anyio.Semaphore(max_inflight)
-        count = 0
-        errors: list[Exception] = []
-
-        async def one(key: str) -> None:
-            nonlocal count
-            try:
-                async with limit:
-                    await self.get(key)
-            except Exception as exc:
-                # Caught here, not by the task group: the caller gets the store's error.
-                errors.append(exc)
-                tg.cancel_scope.cancel()
-            else:
-                count += 1
-
-        async with anyio.create_task_group() as tg:
-            # Wait for a free slot before starting each task: a million keys must not become
-            # a million tasks at once.
-            if isinstance(keys, AsyncIterable):
-                async for key in keys:
-                    await limit.acquire()
-                    limit.release()
-                    tg.start_soon(one, key)
-            else:
-                for key in keys:
-                    await limit.acquire()
-                    limit.release()
-                    tg.start_soon(one, key)
-        if errors:
-            raise errors[0]
-        return count
+        check_keys(keys, "warm")
+        return await read_all(self.get, keys, max_inflight)
 
     def plan(self, keys: Iterable[str]) -> None:
         """Append ``keys`` to the plan of upcoming reads (``policy="plan"``).
@@ -641,7 +528,7 @@ class TieredCache(AsyncResource):
         Raises:
             InvalidArgument: the cache was not created with ``policy="plan"``.
         """
-        _key_list(keys, "plan")
+        check_keys(keys, "plan")
         if not isinstance(self._memory, PlanTier):
             raise InvalidArgument(
                 f"plan() needs a cache created with policy='plan' (this one is {self._policy!r})"
@@ -650,12 +537,12 @@ class TieredCache(AsyncResource):
 
     def pin(self, keys: Iterable[str]) -> None:
         """Keep ``keys`` in memory regardless of recency (from when they are next read)."""
-        _key_list(keys, "pin")
+        check_keys(keys, "pin")
         self._memory.pin(check_key(key, self._store.url) for key in keys)
 
     def unpin(self, keys: Iterable[str]) -> None:
         """Let ``keys`` be evicted by recency again."""
-        _key_list(keys, "unpin")
+        check_keys(keys, "unpin")
         self._memory.unpin(check_key(key, self._store.url) for key in keys)
 
     async def invalidate(self, key: str) -> None:
@@ -668,14 +555,9 @@ class TieredCache(AsyncResource):
             self._memory.discard(cache_key)
             self._entry_etags.pop(cache_key, None)
         self._checked.pop(key, None)
-        kept = [item for item in self._pending if item[0].split("\x00", 1)[0] != key]
-        if len(kept) != len(self._pending):
-            self._pending = kept
-            self._pending_bytes = sum(len(item[1]) for item in kept)
-        for cache_key in [k for k in self._unwritten if k.split("\x00", 1)[0] == key]:
-            del self._unwritten[cache_key]
+        self._writes.forget(key)
         if self._disk is not None:
-            await self._settle_writes()
+            await self._writes.settle()
             await self._disk_call(self._disk.remove, key)
 
     async def clear(self) -> None:
@@ -683,10 +565,9 @@ class TieredCache(AsyncResource):
         self._memory.clear()
         self._entry_etags.clear()
         self._checked.clear()
-        self._pending, self._pending_bytes = [], 0
-        self._unwritten.clear()
+        self._writes.clear()
         if self._disk is not None:
-            await self._settle_writes()
+            await self._writes.settle()
             await self._disk_call(self._disk.clear)
 
     def stats(self) -> CacheStats:

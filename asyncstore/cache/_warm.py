@@ -1,0 +1,86 @@
+"""Warming a cache: reading many keys through it, a bounded number at once, and the check
+of a ``keys`` argument that the cache's methods share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
+
+import anyio
+
+from ..errors import InvalidArgument
+
+
+def check_keys(keys: object, method: str) -> None:
+    """Refuse a ``keys`` argument of ``method`` that is not an iterable of keys.
+
+    Raises:
+        InvalidArgument: ``keys`` is a single str (or bytes), or not iterable.
+    """
+    # A str is iterable too, and each of its characters a valid key: refuse it rather than
+    # read "a", "b", "c".
+    if isinstance(keys, str | bytes | bytearray | memoryview):
+        raise InvalidArgument(
+            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable of "
+            f"keys, for example [{keys!r}]"
+        )
+    if not isinstance(keys, Iterable | AsyncIterable):
+        raise InvalidArgument(
+            f"{method}(keys={keys!r}): keys is a {type(keys).__name__}; pass an iterable "
+            "of str keys"
+        )
+
+
+def _positive(name: str, value: object, *, allow_none: bool = False, unit: str = "bytes") -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"{name}={value!r}: pass a positive number of {unit}")
+
+
+async def read_all(
+    get: Callable[[str], Awaitable[bytes]],
+    keys: Iterable[str] | AsyncIterable[str],
+    max_inflight: int,
+) -> int:
+    """Call ``get`` on every key of ``keys``, ``max_inflight`` at a time; returns how many
+    succeeded (all of them, when it returns).
+
+    Raises:
+        InvalidArgument: ``max_inflight`` is not a positive int.
+        Exception: the first error a ``get`` raised, as itself, not inside an
+            ``ExceptionGroup``; the calls still running are cancelled.
+    """
+    _positive("max_inflight", max_inflight, unit="reads at once, for example 32")
+    limit = anyio.Semaphore(max_inflight)
+    count = 0
+    errors: list[Exception] = []
+
+    async def one(key: str) -> None:
+        nonlocal count
+        try:
+            async with limit:
+                await get(key)
+        except Exception as exc:
+            # Caught here, not by the task group: the caller gets the store's error.
+            errors.append(exc)
+            tg.cancel_scope.cancel()
+        else:
+            count += 1
+
+    async with anyio.create_task_group() as tg:
+        # Wait for a free slot before starting each task: a million keys must not become a
+        # million tasks at once.
+        if isinstance(keys, AsyncIterable):
+            async for key in keys:
+                await limit.acquire()
+                limit.release()
+                tg.start_soon(one, key)
+        else:
+            for key in keys:
+                await limit.acquire()
+                limit.release()
+                tg.start_soon(one, key)
+    if errors:
+        raise errors[0]
+    return count
