@@ -202,10 +202,12 @@ from asyncstore.cache import _disk
 def dies_at_commit(self, begin="BEGIN IMMEDIATE"):
     self._db.execute(begin)
     yield self._db
+    print("batch ready", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)  # the batch is ready; killed before COMMIT
 
-_disk.DiskTier._sql = dies_at_commit
+# Opened first (its own index transactions commit), then killed in the batch's.
 tier = _disk.DiskTier(sys.argv[1], 1 << 20, "file:///source")
+_disk.DiskTier._sql = dies_at_commit
 tier.write_many([(f"k{i}", bytes(20_000), None) for i in range(5)])
 """
 
@@ -215,6 +217,8 @@ def test_a_writer_killed_before_its_commit_publishes_no_entry(tmp_path: Path) ->
         [sys.executable, "-c", KILLED_AT_COMMIT, str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert proc.stdout == "batch ready\n"  # killed in the batch's transaction, not before
+    assert segment_bytes(tmp_path) >= 5 * 20_000  # its records were appended, not committed
     tier = DiskTier(tmp_path, 1 << 20, "file:///source")  # reclaims the dead writer's files
     try:
         assert tier.entry_count() == 0
