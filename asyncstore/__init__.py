@@ -49,7 +49,7 @@ from .stores import (
 )
 
 if typing.TYPE_CHECKING:
-    from .checkpoint import SaveHandle, SaveResult, load, save
+    from .checkpoint import Checkpointer, SaveHandle, SaveResult, load, save
 
 __version__ = "0.1.0.dev0"
 
@@ -90,9 +90,10 @@ __all__ = [
     "load",
     "SaveHandle",
     "SaveResult",
+    "Checkpointer",
 ]
 
-_LAZY = {"save", "load", "SaveHandle", "SaveResult"}
+_LAZY = {"save", "load", "SaveHandle", "SaveResult", "Checkpointer"}
 
 
 def __getattr__(name: str) -> object:

@@ -3,10 +3,15 @@
 from ._format import FORMAT_VERSION, Manifest
 from ._handle import SaveHandle, SaveResult
 from ._load import load, read_manifest
+from ._manager import Checkpointer, CheckpointerConfig, VerifyReport, Version
 from ._save import save
 from ._staging import StagingPool, staging_pool
 
 __all__ = [
+    "Checkpointer",
+    "CheckpointerConfig",
+    "Version",
+    "VerifyReport",
     "save",
     "load",
     "SaveHandle",

@@ -1,0 +1,197 @@
+"""Checkpointer: versions named by step, retention, resume from the newest version that
+verifies, against a local directory and a real S3 server."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncstore
+from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreClosed
+from asyncstore.checkpoint import Checkpointer, Version
+from asyncstore.testing import SeaweedFS
+
+from .conftest import BUCKET, s3_options, unique
+
+pytestmark = pytest.mark.anyio
+
+
+def state_of(step: int) -> dict[str, Any]:
+    return {"w": torch.full((1000,), float(step)), "step": step}
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    server: SeaweedFS = request.getfixturevalue("seaweedfs")
+    return f"s3://{BUCKET}/{unique('run')}", s3_options(server)
+
+
+async def test_retention_over_twenty_saves(run_url: tuple[str, dict[str, Any] | None]) -> None:
+    url, options = run_url
+    async with Checkpointer(url, keep_last=3, keep_every=5, store_options=options) as ckpt:
+        for step in range(1, 21):
+            handle = await ckpt.save(state_of(step), step)
+            result = await handle
+            assert result.url.endswith(f"step-{step:09d}.ckpt")
+    async with Checkpointer(url, store_options=options) as again:
+        steps = [v.step for v in await again.versions()]
+        # The newest three, and every fifth step for good.
+        assert steps == [5, 10, 15, 18, 19, 20]
+        loaded = await again.load()
+        assert loaded["step"] == 20
+        assert torch.equal(loaded["w"], torch.full((1000,), 20.0))
+        assert (await again.load(step=5))["step"] == 5
+        latest = await again.latest()
+        assert isinstance(latest, Version)
+        assert latest.step == 20
+        assert latest.size > 0
+
+
+async def test_keep_last_one_keeps_only_the_newest(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, keep_last=1) as ckpt:
+        for step in (0, 100, 200):
+            await (await ckpt.save(state_of(step), step))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000200.ckpt"]
+
+
+def damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0x40  # inside a chunk: only its checksum can tell
+    path.write_bytes(bytes(data))
+
+
+async def test_a_damaged_newest_version_falls_back_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Checkpointer(tmp_path, keep_last=5) as ckpt:
+        for step in (10, 20, 30):
+            await (await ckpt.save(state_of(step), step, metadata={"loss": 0.5}))
+        damage(tmp_path / "step-000000030.ckpt")
+        with caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"):
+            loaded = await ckpt.load()
+        assert loaded["step"] == 20
+        assert any("step 30" in r.getMessage() for r in caplog.records)
+        with pytest.raises(IntegrityError, match="newest version, step 30"):
+            await ckpt.load(strict=True)
+        with pytest.raises(IntegrityError):
+            await ckpt.load(step=30)
+        report = await ckpt.verify(30)
+        assert not report.ok
+        assert report.error
+        assert (await ckpt.verify(20)).ok
+        with pytest.raises(IntegrityError):
+            await ckpt.verify(30, raise_on_error=True)
+        # A truncated one too: the one before it loads.
+        path = tmp_path / "step-000000020.ckpt"
+        path.write_bytes(path.read_bytes()[:-100])
+        assert (await ckpt.load())["step"] == 10
+        damage(tmp_path / "step-000000010.ckpt")
+        with pytest.raises(IntegrityError, match=r"no version at .* loads"):
+            await ckpt.load()
+
+
+async def test_load_into_fills_the_model_in_place(tmp_path: Path) -> None:
+    model = torch.nn.Linear(4, 3)
+    async with Checkpointer(tmp_path) as ckpt:
+        await (await ckpt.save(model.state_dict(), 7))
+        fresh = torch.nn.Linear(4, 3)
+        target = fresh.state_dict()
+        await ckpt.load(into=target)
+        assert torch.equal(fresh.weight, model.weight)
+
+
+async def test_versions_ignore_other_files_and_delete_names_the_version(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a version")
+    (tmp_path / "step-12.ckpt").write_bytes(b"too few digits: not this checkpointer's")
+    async with Checkpointer(tmp_path) as ckpt:
+        assert await ckpt.versions() == []
+        assert await ckpt.latest() is None
+        with pytest.raises(NotFound, match="holds no checkpoint versions"):
+            await ckpt.load()
+        await (await ckpt.save(state_of(1), 1))
+        assert [v.step for v in await ckpt.versions()] == [1]
+        await ckpt.delete(1)
+        assert await ckpt.versions() == []
+        with pytest.raises(NotFound, match=r"step-000000001\.ckpt"):
+            await ckpt.delete(1)
+        with pytest.raises(NotFound):
+            await ckpt.load(step=1)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"keep_last": 0}, r"^keep_last=0: expected int >= 1"),
+        ({"keep_every": -1}, r"^keep_every=-1"),
+        ({"compression": "lz4"}, r"^compression='lz4'"),
+        ({"store_options": "x"}, r"^store_options='x'"),
+    ],
+)
+def test_bad_options(tmp_path: Path, options: dict[str, Any], match: str) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        Checkpointer(str(tmp_path), **options)
+
+
+async def test_bad_calls_and_use_after_close(tmp_path: Path) -> None:
+    ckpt = Checkpointer(str(tmp_path))
+    async with ckpt:
+        for bad in (-1, True, 1.5, "3"):
+            with pytest.raises(InvalidArgument, match="step="):
+                await ckpt.save(state_of(0), bad)  # type: ignore[arg-type]
+        with pytest.raises(InvalidArgument, match="strict="):
+            await ckpt.load(strict="yes")  # type: ignore[arg-type]
+    with pytest.raises(StoreClosed, match=r"Checkpointer at .* is closed"):
+        await ckpt.save(state_of(0), 0)
+
+
+KILLED_SAVE = """
+import asyncio, os, signal, sys, threading
+import torch
+from asyncstore.checkpoint import Checkpointer
+
+async def main():
+    async with Checkpointer(sys.argv[1], keep_last=2) as ckpt:
+        await (await ckpt.save({"w": torch.full((1000,), 1.0), "step": 1}, 1))
+        # Killed at a random moment of the next save: a timer fires while it runs.
+        threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGKILL)).start()
+        await (await ckpt.save({"w": torch.randn(3_000_000), "step": 2}, 2))
+        await asyncio.sleep(10)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.2])
+async def test_a_save_killed_at_any_moment_leaves_a_loadable_version(
+    tmp_path: Path, delay: float
+) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(KILLED_SAVE), str(tmp_path), str(delay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    async with Checkpointer(tmp_path) as ckpt:
+        steps = [v.step for v in await ckpt.versions()]
+        assert 1 in steps or 2 in steps
+        loaded = await ckpt.load()
+        assert loaded["step"] == steps[-1]
+        # Saving that step again first removes what the killed save of it left.
+        await (await ckpt.save({"w": torch.zeros(10), "step": 2}, 2))
+        await ckpt.gc()
+    assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+
+
+async def test_the_top_level_name() -> None:
+    assert asyncstore.Checkpointer is Checkpointer
