@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import asyncstore
+import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreClosed
 from asyncstore.checkpoint import Checkpointer, Version
 from asyncstore.testing import SeaweedFS
@@ -195,3 +196,30 @@ async def test_a_save_killed_at_any_moment_leaves_a_loadable_version(
 
 async def test_the_top_level_name() -> None:
     assert asyncstore.Checkpointer is Checkpointer
+
+
+def test_the_sync_checkpointer_for_training_loops(tmp_path: Path) -> None:
+    import concurrent.futures
+
+    weights = torch.zeros(1000)
+    futures = []
+    with asyncstore.torch.Checkpointer(tmp_path, keep_last=2) as ckpt:
+        for step in range(5):
+            weights.fill_(float(step))
+            future = ckpt.save({"w": weights, "step": step}, step)
+            assert isinstance(future, concurrent.futures.Future)
+            futures.append(future)
+            weights.fill_(-1.0)  # the training step goes on: the snapshot is taken
+        assert all(f.result().stored_bytes > 0 for f in futures)
+    with asyncstore.torch.Checkpointer(str(tmp_path)) as ckpt:
+        assert [v.step for v in ckpt.versions()] == [3, 4]
+        latest = ckpt.latest()
+        assert latest is not None
+        assert latest.step == 4
+        loaded = ckpt.load()
+        assert torch.equal(loaded["w"], torch.full((1000,), 4.0))
+        assert ckpt.load(3)["step"] == 3
+        assert ckpt.verify(4).ok
+        ckpt.delete(3)
+        assert ckpt.gc() == 0
+        assert [v.step for v in ckpt.versions()] == [4]

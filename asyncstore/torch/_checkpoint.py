@@ -9,14 +9,15 @@ from typing import Any, Unpack
 
 from .._concurrency import ExitStep, at_exit
 from .._loop import bridge_loop, run_sync
-from ..checkpoint import SaveResult
+from ..checkpoint import Checkpointer as _AsyncCheckpointer
+from ..checkpoint import SaveHandle, SaveResult, VerifyReport, Version
 from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
 from ..errors import InvalidArgument
 
-__all__ = ["save", "save_async", "load"]
+__all__ = ["Checkpointer", "save", "save_async", "load"]
 
 logger = logging.getLogger("asyncstore.checkpoint")
 
@@ -80,7 +81,11 @@ def save_async(
     :func:`save`.
     """
     _check_options(dict(options), SaveOptions.__optional_keys__, "save_async")
-    handle = run_sync(_save(obj, f, **options))
+    return _pending(run_sync(_save(obj, f, **options)))
+
+
+def _pending(handle: SaveHandle) -> concurrent.futures.Future[SaveResult]:
+    # A future for the commit, waited for at interpreter exit if still running.
     future = asyncio.run_coroutine_threadsafe(handle.wait(), bridge_loop())
     _PENDING.add(future)
     future.add_done_callback(_PENDING.discard)
@@ -97,3 +102,70 @@ def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> An
     """
     _check_options(dict(options), LoadOptions.__optional_keys__, "load")
     return run_sync(_load(f, map_location=map_location, **options))
+
+
+class Checkpointer:
+    """:class:`asyncstore.Checkpointer` for synchronous training loops.
+
+    The same options and methods; each returns at the same moment as the async one, and
+    :meth:`save` gives a ``concurrent.futures.Future`` of the :class:`SaveResult` (the
+    commit), which the interpreter waits for at exit. Use it as a context manager, or call
+    :meth:`close`::
+
+        with asyncstore.torch.Checkpointer("s3://bucket/run1", keep_last=3) as ckpt:
+            state = ckpt.load() if ckpt.latest() else None
+            ...
+            ckpt.save(model.state_dict(), step)  # returns after the snapshot
+    """
+
+    def __init__(self, url: Any, **options: Any) -> None:
+        self._ckpt = _AsyncCheckpointer(url, **options)
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """Where the versions live."""
+        return self._ckpt.url
+
+    def save(
+        self, state: Any, step: int, *, metadata: dict[str, Any] | None = None
+    ) -> concurrent.futures.Future[SaveResult]:
+        """Save ``state`` as the version of ``step``; return once it is snapshotted."""
+        return _pending(run_sync(self._ckpt.save(state, step, metadata=metadata)))
+
+    def load(self, step: int | None = None, **options: Any) -> Any:
+        """Load the version of ``step``, or the newest that verifies (see
+        :meth:`asyncstore.Checkpointer.load` for the options)."""
+        return run_sync(self._ckpt.load(step, **options))
+
+    def versions(self) -> list[Version]:
+        """Every committed version, oldest first."""
+        return run_sync(self._ckpt.versions())
+
+    def latest(self) -> Version | None:
+        """The newest committed version, or ``None``."""
+        return run_sync(self._ckpt.latest())
+
+    def delete(self, step: int) -> None:
+        """Delete the version of ``step``."""
+        run_sync(self._ckpt.delete(step))
+
+    def verify(self, step: int, *, raise_on_error: bool = False) -> VerifyReport:
+        """Check every checksum of the version of ``step``."""
+        return run_sync(self._ckpt.verify(step, raise_on_error=raise_on_error))
+
+    def gc(self) -> int:
+        """Remove what killed saves of the versions' keys left."""
+        return run_sync(self._ckpt.gc())
+
+    def close(self) -> None:
+        """Wait for the saves' retention and release the store; closing twice is harmless."""
+        if not self._closed:
+            self._closed = True
+            run_sync(self._ckpt.aclose())
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
