@@ -89,3 +89,54 @@ async def test_pinned_reads_refuse_another_version(seaweedfs: SeaweedFS) -> None
         await store.put("k", b"second version")
         with pytest.raises(StoreError, match="replaced"):
             await store.get_pinned("k", 0, 5, etag)
+
+
+KILLED_WRITER = """
+import asyncio, os, signal, sys
+import asyncstore
+
+async def main():
+    async with asyncstore.open_store(sys.argv[1]) as store:
+        async with store.open_writer("runs/step-7.ckpt") as writer:
+            await writer.write(b"half of a checkpoint")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+asyncio.run(main())
+"""
+
+
+async def test_abandoned_writes_of_a_local_store(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    root = tmp_path / "s"
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(root)], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL
+    async with asyncstore.open_store(str(root)) as store:
+        assert isinstance(store, CleansUpWrites)
+        # A live writer's temp file is not abandoned.
+        async with store.open_writer("runs/step-8.ckpt") as live:
+            await live.write(b"being written")
+            assert await store.abandoned_writes("runs/step-") == ["runs/step-7.ckpt"]
+            assert await store.abandoned_writes("runs/other") == []
+            assert await store.abandoned_writes("step-") == []  # another directory
+            assert await store.clean_up_writes("runs/step-7.ckpt") == 1
+            assert await store.abandoned_writes("runs/") == []
+        assert await store.get("runs/step-8.ckpt") == b"being written"
+
+
+@pytest.mark.s3
+async def test_abandoned_writes_of_an_s3_store(seaweedfs: SeaweedFS) -> None:
+    url = f"s3://{BUCKET}/{unique()}"
+    async with asyncstore.open_store(url, **s3_options(seaweedfs)) as store:
+        assert isinstance(store, CleansUpWrites)
+        writer = store.open_writer("ckpt/step-1.ckpt")
+        await writer.__aenter__()
+        await writer.write(bytes(6 << 20))  # past one part: a multipart upload starts
+        await writer.write(bytes(1))
+        assert await store.abandoned_writes("ckpt/") == ["ckpt/step-1.ckpt"]
+        assert await store.abandoned_writes("other/") == []
+        assert await store.clean_up_writes("ckpt/step-1.ckpt") == 1
+        assert await store.abandoned_writes("ckpt/") == []
+        await writer.aclose()

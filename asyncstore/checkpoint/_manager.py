@@ -142,6 +142,7 @@ class Checkpointer(AsyncResource):
         )
         self._store: Store = open_store(os.fspath(url), **(store_options or {}))
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
+        self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
 
     @property
     def config(self) -> CheckpointerConfig:
@@ -186,22 +187,30 @@ class Checkpointer(AsyncResource):
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
-        handle = await _save(
-            state,
-            (self._store, version_key(step)),
-            compression=config.compression,
-            staging_bytes=config.staging_bytes,
-            priority=config.priority,
-            metadata={**(metadata or {}), "step": step},
-        )
-        self._tasks.spawn(self._after_commit(handle, step), name="retention", detached=True)
+        key = version_key(step)
+        self._saving.add(key)
+        try:
+            handle = await _save(
+                state,
+                (self._store, key),
+                compression=config.compression,
+                staging_bytes=config.staging_bytes,
+                priority=config.priority,
+                metadata={**(metadata or {}), "step": step},
+            )
+        except BaseException:
+            self._saving.discard(key)
+            raise
+        self._tasks.spawn(self._after_commit(handle, step, key), name="retention", detached=True)
         return handle
 
-    async def _after_commit(self, handle: SaveHandle, step: int) -> None:
+    async def _after_commit(self, handle: SaveHandle, step: int, key: str) -> None:
         try:
             await handle.wait()
         except BaseException:
             return  # the save's own error goes to whoever awaits its handle
+        finally:
+            self._saving.discard(key)
         await self._retain(newest=step)
 
     async def _retain(self, newest: int) -> None:
@@ -328,12 +337,19 @@ class Checkpointer(AsyncResource):
         return VerifyReport(step, True)
 
     async def gc(self) -> int:
-        """Remove what killed saves left (temp files, unfinished uploads) for every version
-        key; returns how many items were removed. A live save's are left alone."""
+        """Remove what killed saves left (temp files, unfinished multipart uploads) under
+        version names; returns how many items were removed.
+
+        This checkpointer's own saves in flight are left alone, and so is a local temp file
+        whose writer is alive. S3 cannot tell a killed save's upload from a live one's: run
+        it when no other process saves to this run.
+        """
         await self._ensure_open()
-        if not isinstance(self._store, CleansUpWrites):
+        store = self._store
+        if not isinstance(store, CleansUpWrites):
             return 0
         removed = 0
-        for version in await self.versions():
-            removed += await self._store.clean_up_writes(version.key)
+        for key in await store.abandoned_writes(PREFIX):
+            if _NAME.match(key) and key not in self._saving:
+                removed += await store.clean_up_writes(key)
         return removed

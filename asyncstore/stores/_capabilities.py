@@ -25,6 +25,12 @@ class CleansUpWrites(Protocol):
         removed. Live writers' data is left alone."""
         ...
 
+    async def abandoned_writes(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix`` that unfinished writes left something for (local
+        stores: in ``prefix``'s directory, temporary files no live writer holds; S3: keys
+        with unfinished multipart uploads, which S3 cannot tell live from killed)."""
+        ...
+
 
 @runtime_checkable
 class LocalFiles(Protocol):

@@ -31,6 +31,44 @@ def _hint(name: str) -> str:
     return name.encode()[:150].decode(errors="ignore")
 
 
+def _is_temp(entry: str) -> bool:
+    # Exactly the names TempFile gives: prefix, 12 hex digits, "-", the target's name.
+    digits = entry[len(_TMP_PREFIX) : len(_TMP_PREFIX) + 12]
+    return (
+        entry.startswith(_TMP_PREFIX)
+        and len(digits) == 12
+        and all(c in "0123456789abcdef" for c in digits)
+        and entry[len(_TMP_PREFIX) + 12 : len(_TMP_PREFIX) + 13] == "-"
+    )
+
+
+def abandoned_names(directory: str, start: str) -> list[str]:
+    """The names, starting with ``start``, of the keys in ``directory`` that have a
+    temporary file no live writer holds. (A name longer than the 150 bytes a temporary
+    file's name keeps cannot be told whole, and is left out.)"""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found: set[str] = set()
+    for entry in names:
+        if not _is_temp(entry):
+            continue
+        name = entry[len(_TMP_PREFIX) + 13 :]
+        if not name.startswith(start) or len(name.encode()) >= 150:
+            continue
+        try:
+            fd = os.open(os.path.join(directory, entry), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            if try_lock(fd):
+                found.add(name)
+        finally:
+            os.close(fd)  # closing drops the lock taken to look
+    return sorted(found)
+
+
 def remove_abandoned(directory: str, name: str) -> int:
     """Remove the temporary files of the key ``name`` in ``directory`` whose writers are
     gone (no live process holds their lock); return how many were removed."""
@@ -41,14 +79,7 @@ def remove_abandoned(directory: str, name: str) -> int:
         return 0
     removed = 0
     for entry in names:
-        # Exactly the names TempFile gives for this key: prefix, 12 hex digits, name.
-        if not (
-            entry.startswith(_TMP_PREFIX)
-            and entry[len(_TMP_PREFIX) + 12 :] == f"-{hint}"
-            and all(
-                c in "0123456789abcdef" for c in entry[len(_TMP_PREFIX) : len(_TMP_PREFIX) + 12]
-            )
-        ):
+        if not (_is_temp(entry) and entry[len(_TMP_PREFIX) + 13 :] == hint):
             continue
         path = os.path.join(directory, entry)
         try:

@@ -25,8 +25,8 @@ import msgspec
 from .._concurrency import to_thread
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
-from ._keys import RESERVED_PREFIX, check_key
-from ._localwrite import TempFile, remove_abandoned, write_all
+from ._keys import RESERVED_PREFIX, check_key, check_prefix
+from ._localwrite import TempFile, abandoned_names, remove_abandoned, write_all
 
 __all__ = ["LocalConfig", "LocalStore"]
 
@@ -198,6 +198,16 @@ class LocalStore(BaseStore):
         key = check_key(key, self._url)
         self._check_open()
         return await self._run(key, "clean up", self._clean_up_writes, key)
+
+    async def abandoned_writes(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix``, in ``prefix``'s directory, that killed writers left
+        temporary files for (files no live process holds); see :meth:`clean_up_writes`."""
+        prefix = check_prefix(prefix, self._url)
+        self._check_open()
+        head, _, start = prefix.rpartition("/")
+        directory = os.path.join(self._root, head) if head else self._root
+        names = await self._run(prefix, "list", abandoned_names, directory, start)
+        return [f"{head}/{name}" if head else name for name in names]
 
     def _clean_up_writes(self, key: str) -> int:
         directory, name = os.path.split(os.path.join(self._root, key))

@@ -30,7 +30,7 @@ from botocore import exceptions as bex
 
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
-from ._keys import check_key
+from ._keys import check_key, check_prefix
 from ._retry import with_retries
 from ._s3client import open_client, resolved_endpoint
 from ._s3fast import S3HTTPError, SignedGetter
@@ -427,6 +427,34 @@ class S3Store(BaseStore):
             await client.delete_object(Bucket=self._bucket, Key=self._root + key)
 
         await self._call(key, "delete", attempt)
+
+    async def abandoned_writes(self, prefix: str = "") -> list[str]:
+        """Keys starting with ``prefix`` that have unfinished multipart uploads.
+
+        S3 cannot tell a killed writer's upload from a live one's: call
+        :meth:`clean_up_writes` on these keys only when no other writer of them can be
+        running.
+        """
+        prefix = check_prefix(prefix, self.url)
+        self._check_open()
+        full = self._root + prefix
+        keys: set[str] = set()
+        markers: dict[str, str] = {}
+        while True:
+
+            async def listing(client: Any, markers: dict[str, str] = markers) -> dict[str, Any]:
+                return dict(
+                    await client.list_multipart_uploads(Bucket=self._bucket, Prefix=full, **markers)
+                )
+
+            page = await self._call(prefix, "list uploads", listing)
+            keys.update(u["Key"][len(self._root) :] for u in page.get("Uploads", ()))
+            if not page.get("IsTruncated"):
+                return sorted(keys)
+            markers = {
+                "KeyMarker": page.get("NextKeyMarker", ""),
+                "UploadIdMarker": page.get("NextUploadIdMarker", ""),
+            }
 
     async def clean_up_writes(self, key: str) -> int:
         """Abort every unfinished multipart upload of ``key``; returns how many there were.
