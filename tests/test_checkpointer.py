@@ -56,6 +56,15 @@ async def test_retention_over_twenty_saves(run_url: tuple[str, dict[str, Any] | 
         assert isinstance(latest, Version)
         assert latest.step == 20
         assert latest.size > 0
+        assert again.stats().saves == 0  # counted per checkpointer
+    stats = ckpt.stats()
+    assert stats.saves == 20
+    assert stats.failed == 0
+    assert stats.deleted == 14
+    assert stats.bytes_written >= 20 * 4000
+    assert 0 < stats.last_blocking_seconds <= stats.blocking_seconds
+    assert stats.last_total_seconds >= stats.last_blocking_seconds
+    assert stats.bytes_skipped == 0
 
 
 async def test_keep_last_one_keeps_only_the_newest(tmp_path: Path) -> None:

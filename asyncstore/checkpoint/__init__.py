@@ -3,13 +3,14 @@
 from ._format import FORMAT_VERSION, Manifest
 from ._handle import SaveHandle, SaveResult
 from ._load import load, read_manifest
-from ._manager import Checkpointer, CheckpointerConfig, VerifyReport, Version
+from ._manager import Checkpointer, CheckpointerConfig, CheckpointerStats, VerifyReport, Version
 from ._save import save
 from ._staging import StagingPool, staging_pool
 
 __all__ = [
     "Checkpointer",
     "CheckpointerConfig",
+    "CheckpointerStats",
     "Version",
     "VerifyReport",
     "save",

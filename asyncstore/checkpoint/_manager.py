@@ -25,7 +25,7 @@ from ._handle import SaveHandle
 from ._load import load as _load
 from ._save import save as _save
 
-__all__ = ["Checkpointer", "CheckpointerConfig", "Version", "VerifyReport"]
+__all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointerStats", "Version", "VerifyReport"]
 
 logger = logging.getLogger("asyncstore.checkpoint")
 
@@ -76,6 +76,32 @@ class Version(msgspec.Struct, frozen=True):
     size: int
     mtime: float | None
     where: Literal["local", "mirror"] = "local"
+
+
+class CheckpointerStats(msgspec.Struct):
+    """What a :class:`Checkpointer` did so far (a snapshot: see :meth:`Checkpointer.stats`).
+
+    Attributes:
+        saves: versions committed.
+        failed: saves that raised or were cancelled.
+        blocking_seconds: time callers waited in :meth:`~Checkpointer.save` (the snapshots),
+            summed.
+        last_blocking_seconds, last_total_seconds: the newest committed save's snapshot,
+            and its time from the call to the commit.
+        bytes_written: bytes stored by committed saves.
+        bytes_skipped: bytes not rewritten because an earlier version holds them (0 until
+            differential saves).
+        deleted: versions retention removed.
+    """
+
+    saves: int = 0
+    failed: int = 0
+    blocking_seconds: float = 0.0
+    last_blocking_seconds: float = 0.0
+    last_total_seconds: float = 0.0
+    bytes_written: int = 0
+    bytes_skipped: int = 0
+    deleted: int = 0
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -143,6 +169,7 @@ class Checkpointer(AsyncResource):
         self._store: Store = open_store(os.fspath(url), **(store_options or {}))
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
         self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
+        self._stats = CheckpointerStats()
 
     @property
     def config(self) -> CheckpointerConfig:
@@ -206,12 +233,24 @@ class Checkpointer(AsyncResource):
 
     async def _after_commit(self, handle: SaveHandle, step: int, key: str) -> None:
         try:
-            await handle.wait()
+            result = await handle.wait()
         except BaseException:
+            self._stats.failed += 1
             return  # the save's own error goes to whoever awaits its handle
         finally:
             self._saving.discard(key)
+        stats = self._stats
+        stats.saves += 1
+        stats.blocking_seconds += result.snapshot_seconds
+        stats.last_blocking_seconds = result.snapshot_seconds
+        stats.last_total_seconds = result.total_seconds
+        stats.bytes_written += result.stored_bytes
         await self._retain(newest=step)
+
+    def stats(self) -> CheckpointerStats:
+        """A snapshot of what this checkpointer did: saves, blocking and total seconds,
+        bytes written and skipped, versions deleted."""
+        return msgspec.structs.replace(self._stats)
 
     async def _retain(self, newest: int) -> None:
         # Counted up to the version just committed, which is always kept: a newer one may
@@ -224,6 +263,7 @@ class Checkpointer(AsyncResource):
             if version.step in kept or (every is not None and version.step % every == 0):
                 continue
             await self._store.delete(version.key)
+            self._stats.deleted += 1
 
     # -- what is there -------------------------------------------------------------------------
 

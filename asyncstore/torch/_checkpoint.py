@@ -10,7 +10,7 @@ from typing import Any, Unpack
 from .._concurrency import ExitStep, at_exit
 from .._loop import bridge_loop, run_sync
 from ..checkpoint import Checkpointer as _AsyncCheckpointer
-from ..checkpoint import SaveHandle, SaveResult, VerifyReport, Version
+from ..checkpoint import CheckpointerStats, SaveHandle, SaveResult, VerifyReport, Version
 from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
@@ -155,8 +155,12 @@ class Checkpointer:
         return run_sync(self._ckpt.verify(step, raise_on_error=raise_on_error))
 
     def gc(self) -> int:
-        """Remove what killed saves of the versions' keys left."""
+        """Remove what killed saves left under version names."""
         return run_sync(self._ckpt.gc())
+
+    def stats(self) -> CheckpointerStats:
+        """What this checkpointer did so far: saves, seconds, bytes, deletions."""
+        return self._ckpt.stats()
 
     def close(self) -> None:
         """Wait for the saves' retention and release the store; closing twice is harmless."""
