@@ -232,3 +232,55 @@ def test_the_sync_checkpointer_for_training_loops(tmp_path: Path) -> None:
         ckpt.delete(3)
         assert ckpt.gc() == 0
         assert [v.step for v in ckpt.versions()] == [4]
+
+
+KILLED_RUN = """
+import asyncio, os, signal, sys, threading
+import torch
+from asyncstore.checkpoint import Checkpointer
+
+async def main():
+    threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGKILL)).start()
+    async with Checkpointer(sys.argv[1], keep_last=2) as ckpt:
+        start = ((await ckpt.latest()) or type("V", (), {"step": -1})).step + 1
+        for step in range(start, start + 40):
+            await ckpt.save({"w": torch.full((200_000,), float(step)), "step": step}, step)
+            if step % 3 == 0:
+                await ckpt.gc()
+    await asyncio.sleep(30)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versions(
+    tmp_path: Path,
+) -> None:
+    # Ten kills at moments spread over saves, retention and gc, each run resuming where
+    # the one before stopped. After each: the newest committed version loads, every
+    # version there verifies, retention kept at least the newest, and gc leaves nothing
+    # but versions.
+    newest = -1
+    for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(tmp_path), str(delay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        async with Checkpointer(tmp_path, keep_last=2) as ckpt:
+            versions = await ckpt.versions()
+            if not versions:
+                assert newest == -1  # killed before the first commit of the run
+                continue
+            assert versions[-1].step >= newest  # no committed newest version was lost
+            newest = versions[-1].step
+            loaded = await ckpt.load(strict=True)
+            assert loaded["step"] == newest
+            assert torch.equal(loaded["w"], torch.full((200_000,), float(newest)))
+            for version in versions:
+                assert (await ckpt.verify(version.step)).ok
+            await ckpt.gc()
+        assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+    assert newest > 0
