@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import asyncstore
 import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreClosed
 from asyncstore.checkpoint import Checkpointer, Version
-from asyncstore.testing import SeaweedFS
+from asyncstore.testing import FaultProxy, SeaweedFS
 
 from .conftest import BUCKET, s3_options, unique
 
@@ -284,3 +285,83 @@ async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versi
             await ckpt.gc()
         assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
     assert newest > 0
+
+
+@pytest.fixture
+def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
+    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
+        yield running
+
+
+@pytest.mark.s3
+async def test_local_first_then_the_mirror(
+    tmp_path: Path, seaweedfs: SeaweedFS, caplog: pytest.LogCaptureFixture
+) -> None:
+    local = tmp_path / "run"
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
+        for step in range(5):
+            await ckpt.save(state_of(step), step)
+    stats = ckpt.stats()
+    assert stats.uploads == 5
+    assert stats.upload_failures == 0
+    assert stats.last_upload_lag_seconds >= stats.last_upload_seconds > 0
+    assert sorted(p.name for p in local.iterdir()) == ["step-000000003.ckpt", "step-000000004.ckpt"]
+    async with Checkpointer(mirror, store_options=options) as only_mirror:
+        assert [v.step for v in await only_mirror.versions()] == [3, 4]
+    async with Checkpointer(local, mirror=mirror, mirror_options=options) as again:
+        assert [(v.step, v.where) for v in await again.versions()] == [(3, "both"), (4, "both")]
+        assert (await again.verify(4)).ok
+        # A damaged local copy: the mirror's is read, with a warning.
+        damage(local / "step-000000004.ckpt")
+        with caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"):
+            assert (await again.load())["step"] == 4
+        assert any("does not load" in r.getMessage() for r in caplog.records)
+    # The local directory lost: every version is read from the mirror.
+    for path in local.iterdir():
+        path.unlink()
+    async with Checkpointer(local, mirror=mirror, mirror_options=options) as again:
+        assert [(v.step, v.where) for v in await again.versions()] == [(3, "mirror"), (4, "mirror")]
+        loaded = await again.load()
+        assert loaded["step"] == 4
+        assert torch.equal(loaded["w"], torch.full((1000,), 4.0))
+        assert (await again.load(step=3))["step"] == 3
+        await again.delete(3)
+        assert [v.step for v in await again.versions()] == [4]
+
+
+@pytest.mark.s3
+async def test_a_mirror_that_is_down_never_costs_a_local_version(
+    tmp_path: Path, seaweedfs: SeaweedFS, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncstore.checkpoint import _manager
+
+    monkeypatch.setattr(_manager, "UPLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(_manager, "UPLOAD_RETRY_SECONDS", 0.01)
+    local = tmp_path / "run"
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(
+        seaweedfs, endpoint_url=proxy.url, max_attempts=2, retry_base_delay=0.01, connect_timeout=2
+    )
+    proxy.refuse(True)
+    async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
+        for step in range(4):
+            await (await ckpt.save(state_of(step), step))  # the saves never fail
+    assert ckpt.stats().upload_failures >= 4
+    assert ckpt.stats().uploads == 0
+    # Retention kept every local version: none is on the mirror yet.
+    assert len(list(local.iterdir())) == 4
+    proxy.refuse(False)
+    # The next checkpointer on the run uploads them, then retention trims both stores.
+    async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as again:
+        await again.versions()  # first use: the uploads resume
+    assert again.stats().uploads == 4
+    assert sorted(p.name for p in local.iterdir()) == ["step-000000002.ckpt", "step-000000003.ckpt"]
+    async with Checkpointer(mirror, store_options=options) as only_mirror:
+        assert [v.step for v in await only_mirror.versions()] == [2, 3]
+
+
+def test_mirror_options_need_a_mirror(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="mirror_options were given without mirror"):
+        Checkpointer(tmp_path, mirror_options={"region": "x"})

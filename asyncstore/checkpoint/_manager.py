@@ -9,9 +9,11 @@ and no index can disagree with it.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import re
+import time
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -19,10 +21,11 @@ import msgspec
 from .._concurrency import TaskSet
 from .._config import DEFAULT_STAGING_BYTES, build
 from .._resource import AsyncResource
-from ..errors import IntegrityError, InvalidArgument, NotFound
+from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import CleansUpWrites, Store, open_store
 from ._handle import SaveHandle
 from ._load import load as _load
+from ._mirror import copy_version
 from ._save import save as _save
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointerStats", "Version", "VerifyReport"]
@@ -32,6 +35,11 @@ logger = logging.getLogger("asyncstore.checkpoint")
 PREFIX = "step-"
 SUFFIX = ".ckpt"
 DIGITS = 9
+UPLOAD_ATTEMPTS = 5
+UPLOAD_RETRY_SECONDS = 1.0
+"""An upload to the mirror is tried this many times, the waits doubling from this; then it
+waits for the next checkpointer on the run (a mirror down for a minute costs warnings)."""
+
 _NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(SUFFIX)}$")
 
 
@@ -68,14 +76,15 @@ class Version(msgspec.Struct, frozen=True):
         key: its key in the store (``step-000001000.ckpt``).
         size: bytes stored.
         mtime: when it was committed (Unix seconds, from the store; ``None`` if unknown).
-        where: ``"local"`` or ``"mirror"``: the store that holds it.
+        where: which store holds it: ``"local"`` (the checkpointer's own URL),
+            ``"mirror"``, or ``"both"``.
     """
 
     step: int
     key: str
     size: int
     mtime: float | None
-    where: Literal["local", "mirror"] = "local"
+    where: Literal["local", "mirror", "both"] = "local"
 
 
 class CheckpointerStats(msgspec.Struct):
@@ -91,7 +100,12 @@ class CheckpointerStats(msgspec.Struct):
         bytes_written: bytes stored by committed saves.
         bytes_skipped: bytes not rewritten because an earlier version holds them (0 until
             differential saves).
-        deleted: versions retention removed.
+        deleted: versions retention removed (from either store).
+        uploads: versions copied to the mirror and checked there.
+        upload_failures: upload attempts that failed (each is retried, with a warning).
+        last_upload_seconds: the newest upload's copy and check.
+        last_upload_lag_seconds: from the newest mirrored version's local commit to the
+            end of its upload.
     """
 
     saves: int = 0
@@ -102,6 +116,10 @@ class CheckpointerStats(msgspec.Struct):
     bytes_written: int = 0
     bytes_skipped: int = 0
     deleted: int = 0
+    uploads: int = 0
+    upload_failures: int = 0
+    last_upload_seconds: float = 0.0
+    last_upload_lag_seconds: float = 0.0
 
 
 class VerifyReport(msgspec.Struct, frozen=True):
@@ -129,10 +147,18 @@ class Checkpointer(AsyncResource):
         keep_every: also keep every version whose step is a multiple of this, for good.
         compression, staging_bytes, priority: as for :func:`asyncstore.save`.
         store_options: options for :func:`open_store`.
+        mirror: a second store (typically ``"s3://…"``, with ``url`` a fast local
+            directory): each version commits at ``url`` first, then is copied to the
+            mirror in the background, read back and compared. Retention never deletes a
+            local version that the mirror does not hold yet; a version missing or damaged
+            at ``url`` is read from the mirror; uploads a crash interrupted resume when
+            the checkpointer is next used. A failing mirror gives warnings and retries,
+            never errors in :meth:`save`.
+        mirror_options: options for :func:`open_store` of the mirror.
 
     Use it as an async context manager. :meth:`save` returns after the snapshot, as
-    :func:`asyncstore.save` does; retention runs once the version commits, and closing
-    waits for it.
+    :func:`asyncstore.save` does; the upload and retention run once the version commits,
+    and closing waits for them.
 
     Raises:
         InvalidArgument: a bad option (named in the message).
@@ -150,11 +176,14 @@ class Checkpointer(AsyncResource):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         priority: Literal["low", "normal"] = "low",
         store_options: dict[str, Any] | None = None,
+        mirror: str | os.PathLike[str] | None = None,
+        mirror_options: dict[str, Any] | None = None,
     ) -> None:
-        if store_options is not None and not isinstance(store_options, dict):
-            raise InvalidArgument(
-                f"store_options={store_options!r}: pass a dict of open_store options"
-            )
+        for name, value in (("store_options", store_options), ("mirror_options", mirror_options)):
+            if value is not None and not isinstance(value, dict):
+                raise InvalidArgument(f"{name}={value!r}: pass a dict of open_store options")
+        if mirror is None and mirror_options:
+            raise InvalidArgument("mirror_options were given without mirror; pass both")
         self._config = build(
             CheckpointerConfig,
             {
@@ -167,6 +196,11 @@ class Checkpointer(AsyncResource):
             "Checkpointer",
         )
         self._store: Store = open_store(os.fspath(url), **(store_options or {}))
+        self._mirror: Store | None = (
+            None if mirror is None else open_store(os.fspath(mirror), **(mirror_options or {}))
+        )
+        self._upload_slot = asyncio.Semaphore(1)  # one upload at a time: bounded memory
+        self._uploading: set[str] = set()
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
         self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
         self._stats = CheckpointerStats()
@@ -184,13 +218,22 @@ class Checkpointer(AsyncResource):
     def _resource_name(self) -> str:
         return f"the Checkpointer at {self._store.url}"
 
+    async def _on_open(self) -> None:
+        if self._mirror is not None:
+            # Uploads a crash or an early close interrupted go on now.
+            self._tasks.spawn(self._resume_uploads(), name="resume uploads", detached=True)
+
     async def _on_close(self) -> None:
         try:
             while self._tasks:
-                await self._tasks.join()  # retention after the last saves
+                await self._tasks.join()  # uploads and retention after the last saves
             await self._tasks.aclose()
         finally:
-            await self._store.aclose()
+            try:
+                await self._store.aclose()
+            finally:
+                if self._mirror is not None:
+                    await self._mirror.aclose()
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -232,19 +275,24 @@ class Checkpointer(AsyncResource):
         return handle
 
     async def _after_commit(self, handle: SaveHandle, step: int, key: str) -> None:
+        # The key stays in _saving until its upload ends: gc and the resumed uploads leave
+        # it alone meanwhile.
         try:
-            result = await handle.wait()
-        except BaseException:
-            self._stats.failed += 1
-            return  # the save's own error goes to whoever awaits its handle
+            try:
+                result = await handle.wait()
+            except BaseException:
+                self._stats.failed += 1
+                return  # the save's own error goes to whoever awaits its handle
+            stats = self._stats
+            stats.saves += 1
+            stats.blocking_seconds += result.snapshot_seconds
+            stats.last_blocking_seconds = result.snapshot_seconds
+            stats.last_total_seconds = result.total_seconds
+            stats.bytes_written += result.stored_bytes
+            if self._mirror is not None:
+                await self._upload(key, time.monotonic())
         finally:
             self._saving.discard(key)
-        stats = self._stats
-        stats.saves += 1
-        stats.blocking_seconds += result.snapshot_seconds
-        stats.last_blocking_seconds = result.snapshot_seconds
-        stats.last_total_seconds = result.total_seconds
-        stats.bytes_written += result.stored_bytes
         await self._retain(newest=step)
 
     def stats(self) -> CheckpointerStats:
@@ -254,27 +302,111 @@ class Checkpointer(AsyncResource):
 
     async def _retain(self, newest: int) -> None:
         # Counted up to the version just committed, which is always kept: a newer one may
-        # belong to another save, and is not this retention's to judge.
-        # Runs while closing too (close waits for it): no open-state check here.
-        versions = [v for v in await self._list() if v.step <= newest]
-        kept = {v.step for v in versions[-self._config.keep_last :]}
+        # belong to another save, and is not this retention's to judge. Runs while closing
+        # too (close waits for it): no open-state check here.
+        mirrored: dict[int, int] | None = None
+        if self._mirror is not None:
+            mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+            await self._retain_in(self._mirror, list(mirrored), newest, None)
+        local = [v.step for v in await self._list_store(self._store)]
+        await self._retain_in(self._store, local, newest, mirrored)
+
+    async def _retain_in(
+        self, store: Store, steps: list[int], newest: int, mirrored: dict[int, int] | None
+    ) -> None:
+        candidates = sorted(step for step in steps if step <= newest)
+        kept = set(candidates[-self._config.keep_last :])
         every = self._config.keep_every
-        for version in versions:
-            if version.step in kept or (every is not None and version.step % every == 0):
+        for step in candidates:
+            if step in kept or (every is not None and step % every == 0):
                 continue
-            await self._store.delete(version.key)
+            if mirrored is not None and step not in mirrored:
+                continue  # the only copy until its upload commits
+            await store.delete(version_key(step))
             self._stats.deleted += 1
+
+    # -- the mirror ----------------------------------------------------------------------------
+
+    async def _upload(self, key: str, committed: float) -> bool:
+        """Copy ``key`` to the mirror, retried with backoff; ``False`` when it gave up (the
+        next use of a checkpointer on this run resumes it)."""
+        assert self._mirror is not None
+        delay = UPLOAD_RETRY_SECONDS
+        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                async with self._upload_slot:
+                    self._uploading.add(key)
+                    try:
+                        await copy_version(self._store, self._mirror, key)
+                    finally:
+                        self._uploading.discard(key)
+            except NotFound:
+                return False  # deleted here meanwhile: nothing to upload
+            except (AsyncStoreError, OSError) as exc:
+                self._stats.upload_failures += 1
+                if attempt == UPLOAD_ATTEMPTS:
+                    logger.warning(
+                        "uploading %s to the mirror %s failed %d times (%s); it stays local, "
+                        "and the next checkpointer on this run uploads it",
+                        key,
+                        self._mirror.url,
+                        attempt,
+                        exc,
+                    )
+                    return False
+                logger.warning(
+                    "uploading %s to the mirror %s failed (%s); retrying in %.1f s",
+                    key,
+                    self._mirror.url,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            now = time.monotonic()
+            self._stats.uploads += 1
+            self._stats.last_upload_seconds = now - started
+            self._stats.last_upload_lag_seconds = now - committed
+            return True
+        return False
+
+    async def _resume_uploads(self) -> None:
+        assert self._mirror is not None
+        mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+        local = await self._list_store(self._store)
+        missing = [v for v in local if mirrored.get(v.step) != v.size]
+        for version in reversed(missing):  # the newest first: it matters most
+            if version.key not in self._saving:
+                await self._upload(version.key, time.monotonic())
+        if local:
+            await self._retain(newest=local[-1].step)
 
     # -- what is there -------------------------------------------------------------------------
 
     async def versions(self) -> list[Version]:
-        """Every committed version, oldest first."""
+        """Every committed version, oldest first; with a mirror, those of either store
+        (``Version.where`` says which holds it)."""
         await self._ensure_open()
         return await self._list()
 
     async def _list(self) -> list[Version]:
+        local = {v.step: v for v in await self._list_store(self._store)}
+        if self._mirror is None:
+            return list(local.values())
+        merged = dict(local)
+        for version in await self._list_store(self._mirror):
+            here = local.get(version.step)
+            if here is None:
+                merged[version.step] = msgspec.structs.replace(version, where="mirror")
+            elif here.size == version.size:
+                merged[version.step] = msgspec.structs.replace(here, where="both")
+        return [merged[step] for step in sorted(merged)]
+
+    async def _list_store(self, store: Store) -> list[Version]:
         found: list[Version] = []
-        async for info in self._store.list(PREFIX):
+        async for info in store.list(PREFIX):
             match = _NAME.match(info.key)
             if match is None:
                 continue  # not a version: another file in the same place
@@ -288,20 +420,51 @@ class Checkpointer(AsyncResource):
         return versions[-1] if versions else None
 
     async def delete(self, step: int) -> None:
-        """Delete the version of ``step``.
+        """Delete the version of ``step`` (from the mirror too).
 
         Raises:
             NotFound: there is no such version.
         """
         key = version_key(self._check_step(step))
         await self._ensure_open()
-        await self._store.stat(key)  # NotFound, naming it, when there is none
-        await self._store.delete(key)
+        stores = [self._store] if self._mirror is None else [self._store, self._mirror]
+        found = False
+        for store in stores:
+            try:
+                await store.stat(key)
+            except NotFound:
+                continue
+            found = True
+            await store.delete(key)
+        if not found:
+            raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
 
     def _check_step(self, step: object) -> int:
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgument(f"step={step!r}: pass a version's step, an int >= 0")
         return step
+
+    def _copies(self, version: Version) -> list[Store]:
+        # Where to read a version from: the local copy first.
+        stores: list[Store] = []
+        if version.where in ("local", "both"):
+            stores.append(self._store)
+        if self._mirror is not None and version.where in ("mirror", "both"):
+            stores.append(self._mirror)
+        return stores
+
+    async def _load_version(self, version: Version, options: dict[str, Any]) -> Any:
+        error: Exception | None = None
+        for store in self._copies(version):
+            try:
+                return await _load((store, version.key), **options)
+            except (IntegrityError, NotFound) as exc:
+                # NotFound: deleted by another process's retention since it was listed.
+                if error is not None or len(self._copies(version)) > 1:
+                    logger.warning("%s/%s does not load (%s)", store.url, version.key, exc)
+                error = exc
+        assert error is not None
+        raise error
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -318,8 +481,9 @@ class Checkpointer(AsyncResource):
 
         With ``step=None``, a newest version that fails its checks (a flipped byte, a
         truncated file) is skipped with a warning, and the one before it is tried, down to
-        the oldest; ``strict=True`` raises instead. ``map_location``, ``keys`` and ``into``
-        as for :func:`asyncstore.load`.
+        the oldest; ``strict=True`` raises instead. With a mirror, a version missing or
+        damaged here is read from the mirror. ``map_location``, ``keys`` and ``into`` as
+        for :func:`asyncstore.load`.
 
         Raises:
             NotFound: there is no version (of ``step``, or at all).
@@ -330,18 +494,20 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"strict={strict!r}: pass True or False")
         await self._ensure_open()
         options = {"map_location": map_location, "keys": keys, "into": into}
+        versions = await self.versions()
         if step is not None:
             key = version_key(self._check_step(step))
-            return await _load((self._store, key), **options)
-        versions = await self.versions()
+            for version in versions:
+                if version.step == step:
+                    return await self._load_version(version, options)
+            return await _load((self._store, key), **options)  # NotFound, naming it
         if not versions:
             raise NotFound(f"{self._store.url} holds no checkpoint versions ({PREFIX}*{SUFFIX})")
         failures: list[str] = []
         for version in reversed(versions):
             try:
-                return await _load((self._store, version.key), **options)
+                return await self._load_version(version, options)
             except (IntegrityError, NotFound) as exc:
-                # NotFound: deleted by another process's retention since it was listed.
                 if strict:
                     raise IntegrityError(
                         f"the newest version, step {version.step} "
@@ -357,7 +523,7 @@ class Checkpointer(AsyncResource):
         raise IntegrityError(f"no version at {self._store.url} loads: " + "; ".join(failures))
 
     async def verify(self, step: int, *, raise_on_error: bool = False) -> VerifyReport:
-        """Check every checksum of the version of ``step``.
+        """Check every checksum of the version of ``step`` (each copy, with a mirror).
 
         Returns a :class:`VerifyReport`; with ``raise_on_error=True`` a damaged version
         raises its :class:`IntegrityError` instead.
@@ -367,29 +533,35 @@ class Checkpointer(AsyncResource):
         """
         key = version_key(self._check_step(step))
         await self._ensure_open()
-        try:
-            # Loading reads and checks every chunk; the tensors are dropped at once.
-            await _load((self._store, key), map_location="cpu")
-        except IntegrityError as exc:
-            if raise_on_error:
-                raise
-            return VerifyReport(step, False, str(exc))
+        version = next((v for v in await self._list() if v.step == step), None)
+        if version is None:
+            raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
+        for store in self._copies(version):
+            try:
+                # Loading reads and checks every chunk; the tensors are dropped at once.
+                await _load((store, key), map_location="cpu")
+            except IntegrityError as exc:
+                if raise_on_error:
+                    raise
+                return VerifyReport(step, False, str(exc))
         return VerifyReport(step, True)
 
     async def gc(self) -> int:
-        """Remove what killed saves left (temp files, unfinished multipart uploads) under
-        version names; returns how many items were removed.
+        """Remove what killed saves and uploads left (temp files, unfinished multipart
+        uploads) under version names, here and on the mirror; returns how many items were
+        removed.
 
-        This checkpointer's own saves in flight are left alone, and so is a local temp file
-        whose writer is alive. S3 cannot tell a killed save's upload from a live one's: run
-        it when no other process saves to this run.
+        This checkpointer's own saves and uploads in flight are left alone, and so is a
+        local temp file whose writer is alive. S3 cannot tell a killed save's upload from a
+        live one's: run it when no other process saves to this run.
         """
         await self._ensure_open()
-        store = self._store
-        if not isinstance(store, CleansUpWrites):
-            return 0
         removed = 0
-        for key in await store.abandoned_writes(PREFIX):
-            if _NAME.match(key) and key not in self._saving:
-                removed += await store.clean_up_writes(key)
+        for store in (self._store, self._mirror):
+            if not isinstance(store, CleansUpWrites):
+                continue
+            busy = self._saving if store is self._store else self._uploading
+            for key in await store.abandoned_writes(PREFIX):
+                if _NAME.match(key) and key not in busy:
+                    removed += await store.clean_up_writes(key)
         return removed
