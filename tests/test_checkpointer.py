@@ -165,6 +165,18 @@ async def test_bad_calls_and_use_after_close(tmp_path: Path) -> None:
         await ckpt.save(state_of(0), 0)
 
 
+def run_until_killed(script: str, run: Path, delay: float) -> None:
+    """Run ``script`` on the run directory in a new process that kills itself after
+    ``delay`` seconds (SIGKILL: no cleanup of any kind)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), str(run), str(delay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+
+
 KILLED_SAVE = """
 import asyncio, os, signal, sys, threading
 import torch
@@ -186,13 +198,7 @@ asyncio.run(main())
 async def test_a_save_killed_at_any_moment_leaves_a_loadable_version(
     tmp_path: Path, delay: float
 ) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(KILLED_SAVE), str(tmp_path), str(delay)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    run_until_killed(KILLED_SAVE, tmp_path, delay)
     async with Checkpointer(tmp_path) as ckpt:
         steps = [v.step for v in await ckpt.versions()]
         assert 1 in steps or 2 in steps
@@ -263,13 +269,7 @@ async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versi
     # but versions.
     newest = -1
     for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(KILLED_RUN), str(tmp_path), str(delay)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        run_until_killed(KILLED_RUN, tmp_path, delay)
         async with Checkpointer(tmp_path, keep_last=2) as ckpt:
             versions = await ckpt.versions()
             if not versions:
