@@ -365,3 +365,74 @@ async def test_a_mirror_that_is_down_never_costs_a_local_version(
 def test_mirror_options_need_a_mirror(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="mirror_options were given without mirror"):
         Checkpointer(tmp_path, mirror_options={"region": "x"})
+
+
+KILLED_MIRRORED_RUN = """
+import asyncio, json, os, signal, sys, threading
+import torch
+from asyncstore.checkpoint import Checkpointer
+
+async def main():
+    mirror, options = json.loads(sys.argv[3])
+    threading.Timer(float(sys.argv[2]), os.kill, (os.getpid(), signal.SIGKILL)).start()
+    async with Checkpointer(
+        sys.argv[1], keep_last=2, mirror=mirror, mirror_options=options
+    ) as ckpt:
+        latest = await ckpt.latest()
+        start = 0 if latest is None else latest.step + 1
+        for step in range(start, start + 40):
+            await ckpt.save({"w": torch.full((1_600_000,), float(step)), "step": step}, step)
+    await asyncio.sleep(30)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.s3
+async def test_a_mirrored_run_killed_during_uploads_loses_nothing(
+    tmp_path: Path, seaweedfs: SeaweedFS
+) -> None:
+    # Seven kills while versions (6.4 MB: multipart uploads) are saved, uploaded to
+    # SeaweedFS and retained. After each, the newest version loads from the local copy or
+    # the mirror; once a checkpointer has resumed the uploads, both stores hold the newest
+    # version, and gc leaves nothing but versions in either (no temp file, no unfinished
+    # upload).
+    import json
+
+    local = tmp_path / "run"
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    newest = -1
+    for delay in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent(KILLED_MIRRORED_RUN),
+                str(local),
+                str(delay),
+                json.dumps([mirror, options]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
+            versions = await ckpt.versions()  # first use: unfinished uploads resume
+            if not versions:
+                assert newest == -1
+                continue
+            assert versions[-1].step >= newest
+            newest = versions[-1].step
+            assert (await ckpt.load(strict=True))["step"] == newest
+        async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
+            await ckpt.gc()
+            versions = await ckpt.versions()
+            assert versions[-1].step == newest
+            assert versions[-1].where == "both"  # uploaded by the checkpointer before
+        if local.exists():
+            assert all(p.name.startswith("step-") for p in local.iterdir())
+        prefix = mirror.removeprefix(f"s3://{BUCKET}/")
+        assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
+    assert newest > 0
