@@ -27,8 +27,6 @@ from .stores._base import Store
 
 __all__ = ["Prefetcher", "PrefetchStats"]
 
-MiB = 1 << 20
-
 AUTO_START = 8
 """Initial depth with ``lookahead="auto"``: a few round trips' worth of small objects."""
 

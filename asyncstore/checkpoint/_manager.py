@@ -252,8 +252,7 @@ class Checkpointer(AsyncResource):
             StoreClosed: the checkpointer was closed.
         """
         await self._ensure_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise InvalidArgument(f"step={step!r}: pass the training step, an int >= 0")
+        self._check_step(step)
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
@@ -455,12 +454,13 @@ class Checkpointer(AsyncResource):
 
     async def _load_version(self, version: Version, options: dict[str, Any]) -> Any:
         error: Exception | None = None
-        for store in self._copies(version):
+        copies = self._copies(version)
+        for store in copies:
             try:
                 return await _load((store, version.key), **options)
             except (IntegrityError, NotFound) as exc:
                 # NotFound: deleted by another process's retention since it was listed.
-                if error is not None or len(self._copies(version)) > 1:
+                if len(copies) > 1:
                     logger.warning("%s/%s does not load (%s)", store.url, version.key, exc)
                 error = exc
         assert error is not None
