@@ -323,3 +323,48 @@ async def test_saves_cancelled_at_random_moments_give_every_slab_back(tmp_path: 
     )
     assert_same(state, await asyncstore.load(tmp_path / "final.ckpt"))
     pool.trim()
+
+
+async def test_a_save_cancelled_as_its_snapshot_ends_is_abandoned_and_releases_its_slabs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The last moment a cancellation can reach the call: the snapshot is taken and the
+    # writer holds slabs, but the call has not returned the handle yet. Nobody holds a
+    # handle then, so the save must stop and give its slabs back before the call ends.
+    from asyncstore.checkpoint import _pipeline
+
+    ending, cancelled = asyncio.Event(), asyncio.Event()
+    real_end, real_append = _pipeline.SaveJob._end, _pipeline._Layout.append_segment
+
+    async def slow_end(self: Any, part: str, error: BaseException | None) -> None:
+        if part == "snapshot" and error is None:
+            ending.set()
+            await cancelled.wait()
+        await real_end(self, part, error)
+
+    async def slow_append(self: Any, segment: Any, encoded: Any) -> None:
+        await cancelled.wait()
+        await asyncio.sleep(1)  # the call's cancellation lands meanwhile
+        await real_append(self, segment, encoded)
+
+    monkeypatch.setattr(_pipeline.SaveJob, "_end", slow_end)
+    monkeypatch.setattr(_pipeline._Layout, "append_segment", slow_append)
+    chunk = 1 << 20
+    state = {f"t{i}": torch.randn(300_000) for i in range(8)}
+    pool = staging_pool(chunk)
+    target = tmp_path / "c.ckpt"
+    task = asyncio.ensure_future(
+        asyncstore.save(state, target, chunk_bytes=chunk, staging_bytes=64 * chunk)
+    )
+    await asyncio.wait_for(ending.wait(), 30)
+    task.cancel()
+    cancelled.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.allocated > 0
+    assert len(pool._free) == pool.allocated
+    assert not list(tmp_path.iterdir())  # nothing committed, no temp file left
+    monkeypatch.undo()
+    await asyncio.wait_for((await asyncstore.save(state, target, chunk_bytes=chunk)).wait(), 30)
+    assert_same(state, await asyncstore.load(target))
+    pool.trim()

@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any, Literal, TypedDict
 
-from .._concurrency import shield
+from .._concurrency import forget_errors, shield
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
 from ._codec import Codecs
 from ._handle import SaveHandle
@@ -86,7 +86,9 @@ async def save(
     Returns once the tensors' bytes are snapshotted: the caller may then change them.
     Compression, checksums and writing go on in the background; ``await`` the returned
     :class:`SaveHandle` for the :class:`SaveResult`. Until it commits, the target holds its
-    previous content (or nothing); a failure or cancellation leaves it so.
+    previous content (or nothing); a failure or cancellation leaves it so. Cancelling this
+    call abandons the save (the returned handle's :meth:`~SaveHandle.cancel` does the same
+    later) and returns once its memory and temp files are released.
 
     Args:
         obj: what to save; tensors anywhere inside it are saved as ``torch.save`` would.
@@ -150,7 +152,16 @@ async def save(
         raise
     # From here the job releases everything, however the save ends.
     writer = job.start(started)
-    await job.snapshot()
+    try:
+        await job.snapshot()
+    except asyncio.CancelledError:
+        # A cancellation can arrive after the snapshot is taken, while it lets go of its part
+        # of the job. The caller gets no handle then, so nobody could wait for the writer or
+        # stop it: abandon the save, and return only once it has released what it holds.
+        writer.cancel()
+        await shield(asyncio.wait([writer]))
+        forget_errors([writer])
+        raise
     return SaveHandle(writer, resolved.url)
 
 
