@@ -91,3 +91,12 @@ async def store(open_kind: Any) -> AsyncIterator[asyncstore.Store]:
 
 def pytest_report_header() -> str:
     return f"asyncstore {asyncstore.__version__}, {os.cpu_count()} CPUs"
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
+    """A checkpoint run's URL and store options: a local directory, then an S3 prefix."""
+    if request.param == "local":
+        return str(tmp_path / "run"), None
+    server: SeaweedFS = request.getfixturevalue("seaweedfs")
+    return f"s3://{BUCKET}/{unique('run')}", s3_options(server)

@@ -4,6 +4,8 @@ verifies, against a local directory and a real S3 server."""
 from __future__ import annotations
 
 import logging
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ import torch
 import asyncstore
 import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreClosed
-from asyncstore.checkpoint import Checkpointer, Version
+from asyncstore.checkpoint import Checkpointer, Version, read_manifest
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from .conftest import BUCKET, s3_options, unique
@@ -30,12 +32,45 @@ def state_of(step: int) -> dict[str, Any]:
     return {"w": torch.full((1000,), float(step)), "step": step}
 
 
-@pytest.fixture(params=["local", "s3"])
-def run_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
-    if request.param == "local":
-        return str(tmp_path / "run"), None
-    server: SeaweedFS = request.getfixturevalue("seaweedfs")
-    return f"s3://{BUCKET}/{unique('run')}", s3_options(server)
+async def contents(
+    url: str | Path, options: dict[str, Any] | None = None
+) -> tuple[list[str], set[str], set[str]]:
+    """A run's version keys, the packs they point into, and every other key there."""
+    versions: list[str] = []
+    others: set[str] = set()
+    async with asyncstore.open_store(str(url), **(options or {})) as store:
+        async for info in store.list(""):
+            if re.fullmatch(r"step-\d{9}\.ckpt", info.key):
+                versions.append(info.key)
+            else:
+                others.add(info.key)
+        named: set[str] = set()
+        for key in versions:
+            named.update((await read_manifest((store, key))).packs)
+    return sorted(versions), named, others
+
+
+async def assert_tidy(url: str | Path, options: dict[str, Any] | None = None) -> list[str]:
+    """Assert that a run holds versions and the packs they point into, nothing else (no
+    temp file, no pack nothing points into, no pack missing); its version keys."""
+    versions, named, others = await contents(url, options)
+    assert others == named, (sorted(others - named), sorted(named - others))
+    if isinstance(url, Path) and url.exists():
+        # What a listing does not show: temp files of unfinished writes.
+        hidden = [
+            p
+            for p in url.rglob("*")
+            if p.is_file() and str(p.relative_to(url)) not in others | set(versions)
+        ]
+        assert not hidden, hidden
+    return versions
+
+
+async def leftovers(run: Path) -> int:
+    """Files in a local run that are neither versions nor packs they point into."""
+    versions, named, _ = await contents(run)
+    keep = set(versions) | named
+    return sum(1 for p in run.rglob("*") if p.is_file() and str(p.relative_to(run)) not in keep)
 
 
 async def test_retention_over_twenty_saves(run_url: tuple[str, dict[str, Any] | None]) -> None:
@@ -72,7 +107,7 @@ async def test_keep_last_one_keeps_only_the_newest(tmp_path: Path) -> None:
     async with Checkpointer(tmp_path, keep_last=1) as ckpt:
         for step in (0, 100, 200):
             await (await ckpt.save(state_of(step), step))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000200.ckpt"]
+    assert await assert_tidy(tmp_path) == ["step-000000200.ckpt"]
 
 
 def damage(path: Path) -> None:
@@ -204,10 +239,11 @@ async def test_a_save_killed_at_any_moment_leaves_a_loadable_version(
         assert 1 in steps or 2 in steps
         loaded = await ckpt.load()
         assert loaded["step"] == steps[-1]
-        left = [p.name for p in tmp_path.iterdir() if not p.name.startswith("step-")]
-        assert await ckpt.gc() == len(left)  # the killed save's temp file, if it had one
+        # The killed save's temp files and its pack, if it had them.
+        left = await leftovers(tmp_path)
+        assert await ckpt.gc() == left
         assert await ckpt.gc() == 0
-    assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+    await assert_tidy(tmp_path)
 
 
 async def test_the_top_level_name() -> None:
@@ -283,7 +319,7 @@ async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versi
             for version in versions:
                 assert (await ckpt.verify(version.step)).ok
             await ckpt.gc()
-        assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+        await assert_tidy(tmp_path)
     assert newest > 0
 
 
@@ -307,7 +343,8 @@ async def test_local_first_then_the_mirror(
     assert stats.uploads == 5
     assert stats.upload_failures == 0
     assert stats.last_upload_lag_seconds >= stats.last_upload_seconds > 0
-    assert sorted(p.name for p in local.iterdir()) == ["step-000000003.ckpt", "step-000000004.ckpt"]
+    assert await assert_tidy(local) == ["step-000000003.ckpt", "step-000000004.ckpt"]
+    assert await assert_tidy(mirror, options) == ["step-000000003.ckpt", "step-000000004.ckpt"]
     async with Checkpointer(mirror, store_options=options) as only_mirror:
         assert [v.step for v in await only_mirror.versions()] == [3, 4]
     async with Checkpointer(local, mirror=mirror, mirror_options=options) as again:
@@ -319,8 +356,7 @@ async def test_local_first_then_the_mirror(
             assert (await again.load())["step"] == 4
         assert any("does not load" in r.getMessage() for r in caplog.records)
     # The local directory lost: every version is read from the mirror.
-    for path in local.iterdir():
-        path.unlink()
+    shutil.rmtree(local)
     async with Checkpointer(local, mirror=mirror, mirror_options=options) as again:
         assert [(v.step, v.where) for v in await again.versions()] == [(3, "mirror"), (4, "mirror")]
         loaded = await again.load()
@@ -351,13 +387,14 @@ async def test_a_mirror_that_is_down_never_costs_a_local_version(
     assert ckpt.stats().upload_failures >= 4
     assert ckpt.stats().uploads == 0
     # Retention kept every local version: none is on the mirror yet.
-    assert len(list(local.iterdir())) == 4
+    assert len(await assert_tidy(local)) == 4
     proxy.refuse(False)
     # The next checkpointer on the run uploads them, then retention trims both stores.
     async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as again:
         await again.versions()  # first use: the uploads resume
     assert again.stats().uploads == 4
-    assert sorted(p.name for p in local.iterdir()) == ["step-000000002.ckpt", "step-000000003.ckpt"]
+    assert await assert_tidy(local) == ["step-000000002.ckpt", "step-000000003.ckpt"]
+    assert await assert_tidy(mirror, options) == ["step-000000002.ckpt", "step-000000003.ckpt"]
     async with Checkpointer(mirror, store_options=options) as only_mirror:
         assert [v.step for v in await only_mirror.versions()] == [2, 3]
 
@@ -432,7 +469,8 @@ async def test_a_mirrored_run_killed_during_uploads_loses_nothing(
             assert versions[-1].step == newest
             assert versions[-1].where == "both"  # uploaded by the checkpointer before
         if local.exists():
-            assert all(p.name.startswith("step-") for p in local.iterdir())
+            await assert_tidy(local)
+        await assert_tidy(mirror, options)
         prefix = mirror.removeprefix(f"s3://{BUCKET}/")
         assert seaweedfs.list_multipart_uploads(BUCKET, prefix) == []
     assert newest > 0

@@ -18,7 +18,7 @@ import xxhash
 from . import _format as fmt
 from ._pickle import SavedStorage
 
-__all__ = ["ENCODERS", "Codecs", "Encoded"]
+__all__ = ["ENCODERS", "Codecs", "Encoded", "Known", "Ref"]
 
 MiB = 1 << 20
 
@@ -38,12 +38,27 @@ _BANDWIDTH: dict[str, float] = {}  # bytes/s seen per target directory, for "aut
 
 @dataclass
 class Encoded:
-    """A chunk as stored: its codec, bytes (a view of the slab when raw) and checksums."""
+    """A chunk as stored: its codec, bytes (a view of the slab when raw) and checksums; or,
+    with ``ref``, a chunk an earlier version's pack holds already (nothing to write)."""
 
     codec: str
     stored: memoryview | bytes
     stored_xxh3: int
     raw_xxh3: int
+    ref: Ref | None = None
+
+
+@dataclass(frozen=True)
+class Ref:
+    """Where an earlier version stored a chunk: its pack's key (relative to the
+    checkpoint's directory) and the chunk as recorded there."""
+
+    pack: str
+    chunk: fmt.Chunk
+
+
+# A chunk is known by its raw size and the xxh3-64 of its raw bytes.
+Known = dict[tuple[int, int], Ref]
 
 
 class Codecs:
@@ -107,10 +122,16 @@ class Codecs:
         self._codecs[storage.id] = decision
         return decision
 
-    def encode(self, storage: SavedStorage, raw: memoryview) -> Encoded:
-        """``raw``, a chunk of ``storage``, as it will be stored (in a worker thread)."""
-        codec = self.codec_for(storage, raw)
+    def encode(self, storage: SavedStorage, raw: memoryview, known: Known | None = None) -> Encoded:
+        """``raw``, a chunk of ``storage``, as it will be stored (in a worker thread); a
+        reference instead when ``known`` (chunks of earlier versions) has the same bytes."""
         raw_xxh3 = xxhash.xxh3_64_intdigest(raw)
+        if known:
+            ref = known.get((len(raw), raw_xxh3))
+            if ref is not None:
+                chunk = ref.chunk
+                return Encoded(chunk.codec, b"", chunk.stored_xxh3, raw_xxh3, ref)
+        codec = self.codec_for(storage, raw)
         if codec != "raw":
             stored = fmt.compress(raw, codec, self.level)
             if len(stored) < len(raw):

@@ -1,4 +1,5 @@
-"""The checkpoint format, version 1: one object written as a single stream.
+"""The checkpoint format: version 1, one object written as a single stream; version 2,
+the same object whose chunks may lie in *packs*, objects beside it.
 
 Layout (see docs/format.md)::
 
@@ -14,6 +15,12 @@ Layout (see docs/format.md)::
 - ``footer``: :data:`FOOTER_SIZE` bytes, fixed: magic, format version, where the manifest
   lies and its digest, and the footer's own digest.
 
+Version 2 (differential saves) adds, in the manifest, the packs' keys (relative to the
+checkpoint's directory) and, per storage, which pack holds each chunk. A pack is
+``ASYNCPAK`` followed by chunks; it has no manifest of its own and is never rewritten, so
+later checkpoints can point into it. A writer uses version 1 whenever no chunk lies in a
+pack, so that such checkpoints stay readable by every release.
+
 Everything a load uses is covered by a checksum: the footer by its own, the manifest by the
 footer's, each chunk (and the structure) by the manifest's, checked before decoding and again
 after. A reader needs the footer, the manifest, then only the chunks it wants (ranged reads).
@@ -21,6 +28,7 @@ after. A reader needs the footer, the manifest, then only the chunks it wants (r
 
 from __future__ import annotations
 
+import re
 import struct
 from typing import Any
 
@@ -32,6 +40,9 @@ from ..errors import IntegrityError, UnsafeCheckpoint
 
 __all__ = [
     "FORMAT_VERSION",
+    "PACK_MAGIC",
+    "PACK_NAME",
+    "INLINE",
     "FOOTER_SIZE",
     "Chunk",
     "Storage",
@@ -47,7 +58,12 @@ __all__ = [
 ]
 
 MAGIC = b"ASYNCKPT"
-FORMAT_VERSION = 1
+PACK_MAGIC = b"ASYNCPAK"
+FORMAT_VERSION = 2
+INLINE = -1  # a chunk's pack index when it lies in the checkpoint object itself
+# A pack's key, relative to the checkpoint's directory: a crafted manifest cannot point
+# a load anywhere else.
+PACK_NAME = re.compile(r"^packs/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.pack$")
 _FOOTER = struct.Struct("<8sIIQQQ")  # magic, version, flags, manifest offset, length, xxh3
 FOOTER_SIZE = _FOOTER.size + 8  # + the footer's own xxh3-64
 
@@ -65,11 +81,11 @@ _WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
 class Chunk(msgspec.Struct, array_like=True, frozen=True):
     """One stored piece of a storage (or of the structure).
 
-    Encoded as an array. A later format version may append fields (a chunk kept in another
-    object, say); it will raise the format version, which readers of this one refuse.
+    Encoded as an array, the same in every format version (a chunk in a pack is marked in
+    its :class:`Storage`).
     """
 
-    offset: int  # where its stored bytes start in the checkpoint object
+    offset: int  # where its stored bytes start in the checkpoint object (or its pack)
     stored: int  # stored (possibly compressed) size
     raw: int  # size after decoding
     codec: str  # one of CODECS
@@ -77,7 +93,7 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True):
     raw_xxh3: int  # of the decoded bytes, checked after
 
 
-class Storage(msgspec.Struct, frozen=True):
+class Storage(msgspec.Struct, frozen=True, omit_defaults=True):
     """A tensor storage: its bytes, in chunks, and what is needed to rebuild it."""
 
     id: int  # the persistent id the structure refers to it by
@@ -86,9 +102,16 @@ class Storage(msgspec.Struct, frozen=True):
     location: str  # device it was saved from ("cpu", "cuda:0")
     name: str  # the entry that first referenced it, for messages
     chunks: list[Chunk]
+    # Version 2: for each chunk, the index in Manifest.packs of the pack holding it, or
+    # INLINE. Empty (and not written) when every chunk is inline.
+    packs: list[int] = msgspec.field(default_factory=list)
+
+    def pack_of(self, index: int) -> int:
+        """The pack index of chunk ``index`` (``INLINE``: in the checkpoint object)."""
+        return self.packs[index] if self.packs else INLINE
 
 
-class Manifest(msgspec.Struct, frozen=True):
+class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     """Everything a load needs besides the chunks themselves."""
 
     format: int
@@ -101,6 +124,8 @@ class Manifest(msgspec.Struct, frozen=True):
     raw_bytes: int
     stored_bytes: int
     digest: int  # xxh3-64 over every chunk's stored digest, structure first, in file order
+    # Version 2: the keys of the packs chunks lie in, relative to the checkpoint's directory.
+    packs: list[str] = msgspec.field(default_factory=list)
 
 
 class Footer(msgspec.Struct, frozen=True):
@@ -170,6 +195,8 @@ def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
         raise IntegrityError(
             f"{where}: the manifest says format {manifest.format}, the footer {footer.version}"
         )
+    if manifest.format < 2 and (manifest.packs or any(s.packs for s in manifest.storages)):
+        raise IntegrityError(f"{where}: a version 1 manifest names packs")
     if digest_of(manifest) != manifest.digest:
         raise IntegrityError(f"{where}: the checkpoint's chunk digest does not match")
     _check_layout(manifest, footer.manifest_offset, where)
@@ -180,12 +207,13 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
     # A manifest's checksum says it was not damaged, not that it was written by us: check
     # that everything it points to lies inside the object and adds up, before anything is
     # allocated or read from it.
-    def chunk_ok(chunk: Chunk, what: str) -> None:
+    def chunk_ok(chunk: Chunk, what: str, pack: int = INLINE) -> None:
         if (
             chunk.codec not in CODECS
             or min(chunk.offset, chunk.stored, chunk.raw) < 0
             or chunk.offset < len(MAGIC)
-            or chunk.offset + chunk.stored > end
+            or (pack == INLINE and chunk.offset + chunk.stored > end)
+            or not INLINE <= pack < len(manifest.packs)
             or (chunk.codec == "raw" and chunk.stored != chunk.raw)
         ):
             raise IntegrityError(f"{where}: the manifest describes {what} impossibly")
@@ -197,15 +225,23 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
                 "the file was crafted or damaged; load an earlier checkpoint"
             )
 
+    for name in manifest.packs:
+        if not isinstance(name, str) or not PACK_NAME.match(name):
+            raise IntegrityError(f"{where}: the manifest names a pack {name!r} impossibly")
     chunk_ok(manifest.structure, "the pickled structure")
     ids = set()
     for storage in manifest.storages:
         what = f"tensor {storage.name!r}"
-        if storage.id < 0 or storage.id in ids or storage.nbytes < 0:
+        if (
+            storage.id < 0
+            or storage.id in ids
+            or storage.nbytes < 0
+            or (storage.packs and len(storage.packs) != len(storage.chunks))
+        ):
             raise IntegrityError(f"{where}: the manifest describes {what} impossibly")
         ids.add(storage.id)
-        for chunk in storage.chunks:
-            chunk_ok(chunk, what)
+        for index, chunk in enumerate(storage.chunks):
+            chunk_ok(chunk, what, storage.pack_of(index))
         if sum(chunk.raw for chunk in storage.chunks) != storage.nbytes:
             raise IntegrityError(f"{where}: the chunks of {what} do not add up to its size")
     for key, used in (manifest.entries or {}).items():
@@ -214,10 +250,14 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
 
 
 def digest_of(manifest: Manifest) -> int:
-    """The whole-checkpoint digest: xxh3-64 over every chunk's stored digest, in file order."""
-    chunks = [manifest.structure] + [c for s in manifest.storages for c in s.chunks]
-    chunks.sort(key=lambda c: c.offset)
-    return xxhash.xxh3_64_intdigest(b"".join(c.stored_xxh3.to_bytes(8, "little") for c in chunks))
+    """The whole-checkpoint digest: xxh3-64 over every chunk's stored digest, in file order
+    (the checkpoint object's chunks, then each pack's, by pack index)."""
+    chunks = [(INLINE, manifest.structure.offset, manifest.structure.stored_xxh3)]
+    for storage in manifest.storages:
+        for index, chunk in enumerate(storage.chunks):
+            chunks.append((storage.pack_of(index), chunk.offset, chunk.stored_xxh3))
+    chunks.sort()
+    return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for _, _, d in chunks))
 
 
 # -- codecs ----------------------------------------------------------------------------------

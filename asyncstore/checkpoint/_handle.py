@@ -28,6 +28,9 @@ class SaveResult(msgspec.Struct, frozen=True):
         direct_bytes: bytes a local file took straight from the staging memory, around the
             page cache (``O_DIRECT``); 0 for other targets, or a file system without it.
         digest: the whole-checkpoint digest (hex xxh3-64 over every chunk's digest).
+        skipped_bytes: raw bytes of chunks an earlier version's pack holds, stored as
+            references instead of written again (differential saves of a
+            :class:`~asyncstore.Checkpointer`; 0 otherwise).
     """
 
     url: str
@@ -40,6 +43,7 @@ class SaveResult(msgspec.Struct, frozen=True):
     total_seconds: float
     digest: str
     direct_bytes: int = 0
+    skipped_bytes: int = 0
 
 
 class SaveHandle:

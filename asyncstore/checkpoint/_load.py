@@ -197,6 +197,7 @@ async def load(
         wanted = list(into)
     resolved = resolve(source, store_options, writing=False)
     src = open_source(resolved)
+    reader: ChunkReader | None = None
     try:
         manifest = await manifest_of(src)
         if manifest is None:
@@ -215,6 +216,8 @@ async def load(
         reader = ChunkReader(src, manifest)
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
     finally:
+        if reader is not None:
+            await shield(reader.aclose())
         await shield(src.aclose())  # after every thread reading through it is done
         await resolved.aclose()
 

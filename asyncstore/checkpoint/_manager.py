@@ -5,6 +5,10 @@ A version is one checkpoint object named by its step, zero-padded so that names 
 steps do (``step-000001000.ckpt``). The set of versions is what the store holds: each save
 is atomic (a version is there whole or not at all), so the list is right after any crash,
 and no index can disagree with it.
+
+Differential versions (the default) keep their chunks in packs under ``packs/``: each save
+writes the chunks no earlier version holds into a new pack, and points into the older packs
+for the rest (see :mod:`._packs` for when a pack goes).
 """
 
 from __future__ import annotations
@@ -19,14 +23,18 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from .._concurrency import TaskSet
-from .._config import DEFAULT_STAGING_BYTES, build
+from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import CleansUpWrites, Store, open_store
+from ._codec import Known
+from ._format import PACK_NAME
 from ._handle import SaveHandle
 from ._load import load as _load
 from ._mirror import copy_version
+from ._packs import PACKS, PackBook, pack_name
 from ._save import save as _save
+from ._save import save_packed
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointerStats", "Version", "VerifyReport"]
 
@@ -67,6 +75,14 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     priority: Literal["low", "normal"] = "low"
     """As for :func:`asyncstore.save`."""
 
+    differential: bool = True
+    """On: a training run changes some tensors between saves (frozen layers, embeddings,
+    buffers), and rewriting unchanged gigabytes costs time, disk and upload bandwidth."""
+
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_SAVE_CHUNK_BYTES
+    """As for :func:`asyncstore.save`; also what a differential save compares: a chunk
+    whose bytes did not change is not written again."""
+
 
 class Version(msgspec.Struct, frozen=True):
     """One committed version of a run's checkpoints.
@@ -98,8 +114,8 @@ class CheckpointerStats(msgspec.Struct):
         last_blocking_seconds, last_total_seconds: the newest committed save's snapshot,
             and its time from the call to the commit.
         bytes_written: bytes stored by committed saves.
-        bytes_skipped: bytes not rewritten because an earlier version holds them (0 until
-            differential saves).
+        bytes_skipped: raw bytes not written again because an earlier version's pack
+            holds them (differential saves).
         deleted: versions retention removed (from either store).
         uploads: versions copied to the mirror and checked there.
         upload_failures: upload attempts that failed (each is retried, with a warning).
@@ -145,7 +161,12 @@ class Checkpointer(AsyncResource):
             local path); each is one object ``step-000001000.ckpt`` under it.
         keep_last: how many of the newest versions retention keeps.
         keep_every: also keep every version whose step is a multiple of this, for good.
-        compression, staging_bytes, priority: as for :func:`asyncstore.save`.
+        differential: write only the chunks that changed since the versions kept: an
+            unchanged chunk (same size and xxh3) is stored as a reference to the pack of
+            the version that wrote it (under ``packs/``). A pack goes once no version points
+            into it. ``False`` writes each version as one self-contained object.
+        compression, staging_bytes, priority, chunk_bytes: as for :func:`asyncstore.save`
+            (``chunk_bytes`` is also the unit a differential save compares).
         store_options: options for :func:`open_store`.
         mirror: a second store (typically ``"s3://…"``, with ``url`` a fast local
             directory): each version commits at ``url`` first, then is copied to the
@@ -175,6 +196,8 @@ class Checkpointer(AsyncResource):
         compression: Literal["auto", "zstd"] | None = "auto",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         priority: Literal["low", "normal"] = "low",
+        differential: bool = True,
+        chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
         store_options: dict[str, Any] | None = None,
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,
@@ -192,9 +215,16 @@ class Checkpointer(AsyncResource):
                 "compression": compression,
                 "staging_bytes": staging_bytes,
                 "priority": priority,
+                "differential": differential,
+                "chunk_bytes": chunk_bytes,
             },
             "Checkpointer",
         )
+        if self._config.staging_bytes < self._config.chunk_bytes:
+            raise InvalidArgument(
+                f"staging_bytes={staging_bytes} is smaller than chunk_bytes={chunk_bytes}: "
+                "the staging pool must hold at least one chunk"
+            )
         self._store: Store = open_store(os.fspath(url), **(store_options or {}))
         self._mirror: Store | None = (
             None if mirror is None else open_store(os.fspath(mirror), **(mirror_options or {}))
@@ -203,6 +233,7 @@ class Checkpointer(AsyncResource):
         self._uploading: set[str] = set()
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
         self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
+        self._packs = PackBook()
         self._stats = CheckpointerStats()
 
     @property
@@ -257,23 +288,50 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
         key = version_key(step)
+        options: dict[str, Any] = {
+            "compression": config.compression,
+            "staging_bytes": config.staging_bytes,
+            "priority": config.priority,
+            "chunk_bytes": config.chunk_bytes,
+            "metadata": {**(metadata or {}), "step": step},
+        }
         self._saving.add(key)
+        pins: set[str] = set()
         try:
-            handle = await _save(
-                state,
-                (self._store, key),
-                compression=config.compression,
-                staging_bytes=config.staging_bytes,
-                priority=config.priority,
-                metadata={**(metadata or {}), "step": step},
-            )
+            if config.differential:
+                known = await self._known()
+                pack = pack_name(key)
+                # Pinned before the pack exists, until the version naming it commits (or
+                # the save fails): a collection meanwhile leaves them alone.
+                pins = {ref.pack for ref in known.values()} | {pack}
+                self._packs.pin(self._store, pins)
+                handle = await save_packed(state, self._store, key, pack, known, **options)
+            else:
+                handle = await _save(state, (self._store, key), **options)
         except BaseException:
             self._saving.discard(key)
+            await self._packs.unpin(self._store, pins)
             raise
-        self._tasks.spawn(self._after_commit(handle, step, key), name="retention", detached=True)
+        self._tasks.spawn(
+            self._after_commit(handle, step, key, pins), name="retention", detached=True
+        )
         return handle
 
-    async def _after_commit(self, handle: SaveHandle, step: int, key: str) -> None:
+    async def _known(self) -> Known:
+        # The chunks the packs of the committed versions here hold. A damaged version is
+        # left out (its chunks are written again).
+        known: Known = {}
+        for version in await self._list_store(self._store):
+            try:
+                manifest = await self._packs.manifest(
+                    self._store, version.key, version.size, version.mtime
+                )
+            except (IntegrityError, NotFound):
+                continue
+            self._packs.chunks_of(manifest, known)
+        return known
+
+    async def _after_commit(self, handle: SaveHandle, step: int, key: str, pins: set[str]) -> None:
         # The key stays in _saving until its upload ends: gc and the resumed uploads leave
         # it alone meanwhile.
         try:
@@ -282,12 +340,15 @@ class Checkpointer(AsyncResource):
             except BaseException:
                 self._stats.failed += 1
                 return  # the save's own error goes to whoever awaits its handle
+            finally:
+                await self._packs.unpin(self._store, pins)  # named by a committed version now
             stats = self._stats
             stats.saves += 1
             stats.blocking_seconds += result.snapshot_seconds
             stats.last_blocking_seconds = result.snapshot_seconds
             stats.last_total_seconds = result.total_seconds
             stats.bytes_written += result.stored_bytes
+            stats.bytes_skipped += result.skipped_bytes
             if self._mirror is not None:
                 await self._upload(key, time.monotonic())
         finally:
@@ -305,10 +366,21 @@ class Checkpointer(AsyncResource):
         # too (close waits for it): no open-state check here.
         mirrored: dict[int, int] | None = None
         if self._mirror is not None:
-            mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
-            await self._retain_in(self._mirror, list(mirrored), newest, None)
+            try:
+                mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+                await self._retain_in(self._mirror, list(mirrored), newest, None)
+            except (AsyncStoreError, OSError) as exc:
+                # Unknown: every local version counts as not uploaded, and stays.
+                logger.warning("retention on the mirror %s failed (%s)", self._mirror.url, exc)
+                mirrored = mirrored or {}
         local = [v.step for v in await self._list_store(self._store)]
         await self._retain_in(self._store, local, newest, mirrored)
+
+    async def _collect(self, store: Store) -> int:
+        # The packs no version there points into any more (nor a save or upload in flight).
+        async with self._packs.lock:
+            versions = [(v.key, v.size, v.mtime) for v in await self._list_store(store)]
+            return await self._packs.collect(store, versions)
 
     async def _retain_in(
         self, store: Store, steps: list[int], newest: int, mirrored: dict[int, int] | None
@@ -322,7 +394,9 @@ class Checkpointer(AsyncResource):
             if mirrored is not None and step not in mirrored:
                 continue  # the only copy until its upload commits
             await store.delete(version_key(step))
+            self._packs.forget(store, version_key(step))
             self._stats.deleted += 1
+        await self._collect(store)
 
     # -- the mirror ----------------------------------------------------------------------------
 
@@ -337,7 +411,7 @@ class Checkpointer(AsyncResource):
                 async with self._upload_slot:
                     self._uploading.add(key)
                     try:
-                        await copy_version(self._store, self._mirror, key)
+                        await self._copy_to_mirror(key)
                     finally:
                         self._uploading.discard(key)
             except NotFound:
@@ -371,9 +445,30 @@ class Checkpointer(AsyncResource):
             return True
         return False
 
+    async def _copy_to_mirror(self, key: str) -> None:
+        assert self._mirror is not None
+        info = await self._store.stat(key)
+        manifest = await self._packs.manifest(self._store, key, info.size, info.mtime)
+        packs = set(manifest.packs)
+        # Copied before the version that names them: pinned there until it commits.
+        self._packs.pin(self._mirror, packs)
+        try:
+            await copy_version(self._store, self._mirror, key, manifest.packs)
+        finally:
+            await self._packs.unpin(self._mirror, packs)
+
     async def _resume_uploads(self) -> None:
         assert self._mirror is not None
-        mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+        try:
+            mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+        except (AsyncStoreError, OSError) as exc:
+            logger.warning(
+                "the mirror %s cannot be listed (%s); versions not uploaded yet stay local, "
+                "and the next checkpointer on this run uploads them",
+                self._mirror.url,
+                exc,
+            )
+            return
         local = await self._list_store(self._store)
         missing = [v for v in local if mirrored.get(v.step) != v.size]
         for version in reversed(missing):  # the newest first: it matters most
@@ -435,6 +530,8 @@ class Checkpointer(AsyncResource):
                 continue
             found = True
             await store.delete(key)
+            self._packs.forget(store, key)
+            await self._collect(store)
         if not found:
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
 
@@ -547,21 +644,28 @@ class Checkpointer(AsyncResource):
         return VerifyReport(step, True)
 
     async def gc(self) -> int:
-        """Remove what killed saves and uploads left (temp files, unfinished multipart
-        uploads) under version names, here and on the mirror; returns how many items were
-        removed.
+        """Remove what killed saves and uploads left, here and on the mirror: temp files and
+        unfinished multipart uploads of versions and packs, and packs that no version
+        points into. Returns how many items were removed.
 
         This checkpointer's own saves and uploads in flight are left alone, and so is a
         local temp file whose writer is alive. S3 cannot tell a killed save's upload from a
-        live one's: run it when no other process saves to this run.
+        live one's, nor can a pack another process is writing be told from a leftover: run
+        it when no other process saves to this run (retention after each save runs the
+        same collection of packs).
         """
         await self._ensure_open()
         removed = 0
         for store in (self._store, self._mirror):
-            if not isinstance(store, CleansUpWrites):
+            if store is None:
                 continue
-            busy = self._saving if store is self._store else self._uploading
-            for key in await store.abandoned_writes(PREFIX):
-                if _NAME.match(key) and key not in busy:
-                    removed += await store.clean_up_writes(key)
+            if isinstance(store, CleansUpWrites):
+                busy = self._saving if store is self._store else self._uploading
+                for key in await store.abandoned_writes(PREFIX):
+                    if _NAME.match(key) and key not in busy:
+                        removed += await store.clean_up_writes(key)
+                for key in await store.abandoned_writes(PACKS):
+                    if PACK_NAME.match(key) and key not in self._packs.pinned(store):
+                        removed += await store.clean_up_writes(key)
+            removed += await self._collect(store)
         return removed

@@ -1,21 +1,47 @@
 """Copying a checkpoint version to a mirror store: streamed in bounded memory, hashed on
-the way, then read back from the mirror and compared before it counts as mirrored."""
+the way, then read back from the mirror and compared before it counts as mirrored. A
+differential version's packs go first (those the mirror lacks), the version last: the
+mirror never holds a version whose packs are not all there."""
 
 from __future__ import annotations
 
 import xxhash
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, NotFound
 from ..stores import Store
 
-__all__ = ["COPY_CHUNK_BYTES", "copy_version"]
+__all__ = ["COPY_CHUNK_BYTES", "copy_version", "copy_object"]
 
 COPY_CHUNK_BYTES = 8 << 20
 """Bytes read and written at a time: large enough for few requests per version, small
 enough that an upload beside training holds little memory (plus the S3 writer's parts)."""
 
 
-async def copy_version(source: Store, target: Store, key: str) -> int:
+async def copy_version(source: Store, target: Store, key: str, packs: list[str]) -> int:
+    """Copy the version ``key`` and the ``packs`` it points into from ``source`` to
+    ``target``, each checked; return the bytes copied.
+
+    A pack the target holds already at the same size is not copied again: packs are never
+    rewritten, and each was checked when it was copied.
+
+    Raises:
+        NotFound: ``key`` or a pack is no longer in ``source`` (deleted meanwhile).
+        IntegrityError: a copy read back differs; it was deleted from ``target``.
+        StoreUnavailable, StoreError: a store failed.
+    """
+    copied = 0
+    for pack in packs:
+        size = (await source.stat(pack)).size
+        try:
+            if (await target.stat(pack)).size == size:
+                continue
+        except NotFound:
+            pass
+        copied += await copy_object(source, target, pack)
+    return copied + await copy_object(source, target, key)
+
+
+async def copy_object(source: Store, target: Store, key: str) -> int:
     """Copy the object ``key`` from ``source`` to ``target`` and check the copy; return its
     size.
 

@@ -25,13 +25,13 @@ from .._concurrency import TaskSet, forget_errors, shield, to_thread, wait_share
 from ..errors import AsyncStoreError
 from ..stores._direct import ALIGN
 from . import _format as fmt
-from ._codec import ENCODERS, Codecs, Encoded
+from ._codec import ENCODERS, Codecs, Encoded, Known
 from ._handle import SaveResult
 from ._pickle import SavedStorage, dtype_name
 from ._staging import Copier, Piece, Segment, StagingPool, byte_view, storage_bytes
 from ._target import Sink
 
-__all__ = ["SaveJob"]
+__all__ = ["PackTarget", "SaveJob"]
 
 MiB = 1 << 20
 
@@ -46,6 +46,21 @@ _SMALL_WRITE = 1 * MiB
 _WRITERS = TaskSet("asyncstore checkpoint saves")
 
 _SNAPSHOT, _WRITER = "snapshot", "writer"
+
+
+class PackTarget:
+    """Where a differential save puts its chunks: a new pack beside the checkpoint, and the
+    chunks earlier versions' packs hold already (written as references instead).
+
+    Chunks are then cut at fixed offsets of each storage (every ``chunk_bytes``), whatever
+    else the state holds, so that an unchanged tensor gives the same chunks save after save.
+    """
+
+    def __init__(self, sink: Sink, name: str, known: Known) -> None:
+        self.sink = sink
+        self.name = name  # the pack's key, relative to the checkpoint's directory
+        self.known = known
+        self.committed = False
 
 
 class SaveJob:
@@ -100,8 +115,10 @@ class SaveJob:
         *,
         background: bool,
         release_target: Callable[[], Awaitable[None]],
+        pack: PackTarget | None = None,
     ) -> None:
         self._sink = sink
+        self._pack = pack
         self._storages = storages
         self._entries = entries
         self._metadata = metadata
@@ -151,6 +168,9 @@ class SaveJob:
             if self._error is not None:
                 with contextlib.suppress(Exception):  # the save's own error is the one to report
                     await self._sink.abort(self._error)
+                if self._pack is not None and not self._pack.committed:
+                    with contextlib.suppress(Exception):
+                        await self._pack.sink.abort(self._error)
         finally:
             await self._release_target()
 
@@ -202,13 +222,21 @@ class SaveJob:
         # Where the next chunk lands in the file if every chunk before it stays raw.
         offset = self._structure_chunk.offset + self._structure_chunk.stored
         segment: Segment | None = None
+        # A differential save cuts every storage at fixed offsets: a chunk never ends early
+        # to fill a slab, so that unchanged bytes give the same chunks as last time.
+        fixed = self._pack is not None
         for saved in self._storages:
             source = storage_bytes(saved.storage)
             index = start = 0
             while start < saved.nbytes:
                 size = min(chunk, saved.nbytes - start)
                 room = 0 if segment is None else self._room(segment)
-                if size > room:
+                if fixed and size > room:
+                    if segment is not None:
+                        await self._submit(segment, copier)
+                    segment = await self._segment(copier, 0)
+                    size = min(size, self._room(segment))  # a pinned slab cut short
+                elif size > room:
                     if room >= min(_MIN_SPLIT, chunk // 4):
                         size = room  # fill the slab: this chunk ends where it does
                     else:
@@ -291,8 +319,11 @@ class SaveJob:
     def _encode_sync(self, segment: Segment) -> list[Encoded]:
         for event in segment.ready:
             event.synchronize()
+        known = None if self._pack is None else self._pack.known
         return [
-            self._codecs.encode(piece.storage, byte_view(segment.slab, piece.start, piece.size))
+            self._codecs.encode(
+                piece.storage, byte_view(segment.slab, piece.start, piece.size), known
+            )
             for piece in segment.pieces
         ]
 
@@ -309,19 +340,34 @@ class SaveJob:
             await shield(self._end(_WRITER, error))
 
     async def _write_all(self, started: float) -> SaveResult:
-        out = _Layout(self._sink, self._storages)
-        await out.append(fmt.MAGIC)  # the header: what the object is, from its first bytes
-        offset = await out.append(self._structure)
+        pack = self._pack
+        data = _Layout(self._sink if pack is None else pack.sink, self._storages, pack)
+        meta = data if pack is None else _Layout(self._sink, [], None)
+        await meta.append(fmt.MAGIC)  # the header: what the object is, from its first bytes
+        offset = await meta.append(self._structure)
         assert offset == self._structure_chunk.offset
+        if pack is not None:
+            await data.append(fmt.PACK_MAGIC)
         while (task := await self._queue.get()) is not None:
             segment, encoded = await task
-            await out.append_segment(segment, encoded)
+            await data.append_segment(segment, encoded)
             del encoded  # views of the slab: gone before it is reused
             if self._held.pop(id(segment.slab), None) is not None:
                 self._pool.release(segment.slab)
+        if pack is not None:
+            # The pack commits before the checkpoint that points into it; one that nothing
+            # points to (a crash in between) is removed by the next cleanup.
+            if pack.name in data.packs:
+                await data.commit()
+                pack.committed = True
+            else:  # every chunk was known already: no pack at all
+                await pack.sink.abort(AsyncStoreError("nothing new to write"))
+                pack.committed = True
         raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages)
+        packs = list(data.packs)
+        version = 2 if packs else 1  # the oldest format that holds it: every reader reads it
         manifest = fmt.Manifest(
-            format=fmt.FORMAT_VERSION,
+            format=version,
             created=time.time(),
             metadata=self._metadata,
             structure=self._structure_chunk,
@@ -332,42 +378,46 @@ class SaveJob:
                     dtype=dtype_name(s.dtype),
                     location=s.location,
                     name=s.name,
-                    chunks=out.chunks[s.id],
+                    chunks=data.chunks[s.id],
+                    packs=data.chunk_packs[s.id] if packs else [],
                 )
                 for s in self._storages
             ],
             entries=self._entries,
             raw_bytes=raw_bytes,
-            stored_bytes=out.position,
+            stored_bytes=meta.position + (data.written if pack is not None else 0),
             digest=0,
+            packs=packs,
         )
         manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
         encoded_manifest = fmt.encode_manifest(manifest)
-        manifest_offset = await out.append(encoded_manifest)
+        manifest_offset = await meta.append(encoded_manifest)
         footer = fmt.Footer(
-            version=fmt.FORMAT_VERSION,
+            version=version,
             flags=0,
             manifest_offset=manifest_offset,
             manifest_length=len(encoded_manifest),
             manifest_xxh3=xxhash.xxh3_64_intdigest(encoded_manifest),
         )
-        await out.append(fmt.encode_footer(footer))
-        await out.commit()
-        self._codecs.record_speed(out.written, out.write_seconds)
+        await meta.append(fmt.encode_footer(footer))
+        await meta.commit()
+        written = data.written + (meta.written if pack is not None else 0)
+        self._codecs.record_speed(data.written, data.write_seconds)
         assert self._snapshot_seconds is not None  # the queue ends once the snapshot is taken
         return SaveResult(
             url=self._sink.url,
             raw_bytes=raw_bytes,
-            stored_bytes=out.written,
+            stored_bytes=written,
             storages=len(self._storages),
-            chunks=1 + sum(len(c) for c in out.chunks.values()),
+            chunks=1 + sum(len(c) for c in data.chunks.values()),
             compressed_storages=sum(
-                any(c.codec != "raw" for c in chunks) for chunks in out.chunks.values()
+                any(c.codec != "raw" for c in chunks) for chunks in data.chunks.values()
             ),
             snapshot_seconds=self._snapshot_seconds,
             total_seconds=time.perf_counter() - started,
             digest=f"{manifest.digest:016x}",
-            direct_bytes=self._sink.direct_bytes,
+            direct_bytes=self._sink.direct_bytes + (0 if pack is None else pack.sink.direct_bytes),
+            skipped_bytes=data.skipped,
         )
 
 
@@ -375,12 +425,22 @@ class _Layout:
     """A checkpoint's bytes going into its sink in order: where each chunk lands, and how
     fast the sink takes them."""
 
-    def __init__(self, sink: Sink, storages: list[SavedStorage]) -> None:
+    def __init__(self, sink: Sink, storages: list[SavedStorage], pack: PackTarget | None) -> None:
         self.sink = sink
         self.chunks: dict[int, list[fmt.Chunk]] = {s.id: [] for s in storages}
+        self.chunk_packs: dict[int, list[int]] = {s.id: [] for s in storages}
+        # Writing a pack: the packs chunks lie in, by index (this one once it has a chunk).
+        self.pack = pack
+        self.packs: dict[str, int] = {}
+        self.skipped = 0  # raw bytes an earlier pack holds, not written again
         self.position = 0  # bytes laid out (ahead of written while small ones are gathered)
         self.written = 0  # bytes handed to the sink
         self.write_seconds = 0.0
+
+    def _record(self, storage: int, chunk: fmt.Chunk, pack: str | None) -> None:
+        self.chunks[storage].append(chunk)
+        index = fmt.INLINE if pack is None else self.packs.setdefault(pack, len(self.packs))
+        self.chunk_packs[storage].append(index)
 
     async def _put(self, data: memoryview | bytes | bytearray) -> None:
         started = time.perf_counter()
@@ -402,17 +462,22 @@ class _Layout:
         # run of them goes out as one view of it; small compressed ones are gathered.
         run: tuple[int, int] | None = None  # [start, end) in the slab
         small = bytearray()
+        own = None if self.pack is None else self.pack.name
         for piece, item in zip(segment.pieces, encoded, strict=True):
-            self.chunks[piece.storage.id].append(
-                fmt.Chunk(
-                    self.position,
-                    len(item.stored),
-                    piece.size,
-                    item.codec,
-                    item.stored_xxh3,
-                    item.raw_xxh3,
-                )
+            if item.ref is not None:
+                # An earlier pack holds these bytes: point there, write nothing.
+                self._record(piece.storage.id, item.ref.chunk, item.ref.pack)
+                self.skipped += piece.size
+                continue
+            chunk = fmt.Chunk(
+                self.position,
+                len(item.stored),
+                piece.size,
+                item.codec,
+                item.stored_xxh3,
+                item.raw_xxh3,
             )
+            self._record(piece.storage.id, chunk, own)
             self.position += len(item.stored)
             if item.codec == "raw":
                 if small:

@@ -16,7 +16,7 @@ import xxhash
 
 from .._concurrency import TaskSet, to_thread
 from .._iov import IOV_MAX, advance
-from ..errors import IntegrityError, UnsafeCheckpoint
+from ..errors import IntegrityError, NotFound, UnsafeCheckpoint
 from . import _format as fmt
 from ._staging import byte_view
 from ._target import Source, StoreSource
@@ -55,30 +55,55 @@ _SPAN = 32 * 1024 * 1024
 
 
 class ChunkRead:
-    """A chunk to read, where its decoded bytes go, and what it is (for messages)."""
+    """A chunk to read, the pack it lies in, where its decoded bytes go, and what it is
+    (for messages)."""
 
-    __slots__ = ("chunk", "out", "what")
+    __slots__ = ("chunk", "out", "pack", "what")
 
-    def __init__(self, chunk: fmt.Chunk, out: memoryview, what: str) -> None:
-        self.chunk, self.out, self.what = chunk, out, what
+    def __init__(
+        self, chunk: fmt.Chunk, out: memoryview, what: str, pack: int = fmt.INLINE
+    ) -> None:
+        self.chunk, self.out, self.what, self.pack = chunk, out, what, pack
 
 
 class ChunkReader:
-    """Reads and verifies chunks of the checkpoint whose manifest is ``manifest``."""
+    """Reads and verifies chunks of the checkpoint whose manifest is ``manifest``, from the
+    checkpoint object and the packs beside it (:meth:`aclose` closes those)."""
 
     def __init__(self, source: Source, manifest: fmt.Manifest) -> None:
         self.source = source
         self.manifest = manifest
         self.reads = asyncio.Semaphore(_READS)
         self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+        self._packs: dict[int, Source] = {}
+
+    def _source(self, pack: int) -> Source:
+        if pack == fmt.INLINE:
+            return self.source
+        source = self._packs.get(pack)
+        if source is None:
+            source = self._packs[pack] = self.source.sibling(self.manifest.packs[pack])
+        return source
+
+    async def aclose(self) -> None:
+        """Close the packs' sources (the checkpoint's own is the caller's)."""
+        packs, self._packs = list(self._packs.values()), {}
+        for source in packs:
+            await source.aclose()
+
+    def _where(self, target: ChunkRead) -> str:
+        chunk = target.chunk
+        where = f"bytes {chunk.offset}-{chunk.offset + chunk.stored}"
+        if target.pack != fmt.INLINE:
+            where += f" of {self.manifest.packs[target.pack]}"
+        return where
 
     def _check(self, stored: memoryview | bytes, target: ChunkRead) -> None:
         chunk = target.chunk
         if len(stored) != chunk.stored or xxhash.xxh3_64_intdigest(stored) != chunk.stored_xxh3:
             raise IntegrityError(
-                f"{self.source.url}: {target.what} (bytes {chunk.offset}-"
-                f"{chunk.offset + chunk.stored}) does not match its checksum: the checkpoint is "
-                "damaged; load an earlier one"
+                f"{self.source.url}: {target.what} ({self._where(target)}) does not match its "
+                "checksum: the checkpoint is damaged; load an earlier one"
             )
 
     def _decode(self, stored: memoryview | bytes, target: ChunkRead) -> None:
@@ -104,11 +129,11 @@ class ChunkReader:
             offset = target.chunk.offset - start
             self._decode(view[offset : offset + target.chunk.stored], target)
 
-    def _read_local(self, start: int, end: int, span: list[ChunkRead]) -> None:
+    def _read_local(self, source: Source, start: int, end: int, span: list[ChunkRead]) -> None:
         # Straight from the file: raw chunks land in their tensors with one copy (preadv
         # scatters the span into them), then are verified where they lie.
-        assert isinstance(self.source, StoreSource)
-        fd = self.source.fd()  # the file the manifest came from
+        assert isinstance(source, StoreSource)
+        fd = source.fd()  # the file the manifest came from, or a pack beside it
         if all(t.chunk.codec == "raw" for t in span):
             buffers = [t.out for t in span]
             position = start
@@ -116,7 +141,7 @@ class ChunkReader:
                 got = os.preadv(fd, buffers[:IOV_MAX], position)
                 if got == 0:
                     raise IntegrityError(
-                        f"{self.source.url} ends at byte {position}, before its chunks do"
+                        f"{source.url} ends at byte {position}, before its chunks do"
                     )
                 position += got
                 advance(buffers, got)
@@ -128,28 +153,39 @@ class ChunkReader:
         while got < len(data):
             more = os.preadv(fd, [memoryview(data)[got:]], start + got)
             if more == 0:
-                raise IntegrityError(f"{self.source.url} ends at byte {start + got}")
+                raise IntegrityError(f"{source.url} ends at byte {start + got}")
             got += more
         self._decode_span(data, start, span)
 
     async def _span(self, span: list[ChunkRead]) -> None:
         start = span[0].chunk.offset
         end = span[-1].chunk.offset + span[-1].chunk.stored
-        if self.source.local_path is not None:
-            await to_thread(self._read_local, start, end, span, limiter=self.decoders)
-            return
-        async with self.reads:
-            data = await self.source.read(start, end)
+        source = self._source(span[0].pack)
+        try:
+            if source.local_path is not None:
+                await to_thread(self._read_local, source, start, end, span, limiter=self.decoders)
+                return
+            async with self.reads:
+                data = await source.read(start, end)
+        except NotFound:
+            if source is self.source:
+                raise
+            raise IntegrityError(
+                f"{self.source.url}: {span[0].what} lies in {source.url}, which is missing: "
+                "the checkpoint is damaged (a pack deleted outside asyncstore?); load an "
+                "earlier one"
+            ) from None
         await to_thread(self._decode_span, data, start, span, limiter=self.decoders)
 
     async def read(self, targets: list[ChunkRead]) -> None:
-        """Read and verify every target, consecutive chunks together."""
-        targets = sorted(targets, key=lambda t: t.chunk.offset)
+        """Read and verify every target, consecutive chunks of one object together."""
+        targets = sorted(targets, key=lambda t: (t.pack, t.chunk.offset))
         spans: list[list[ChunkRead]] = []
         for target in targets:
             last = spans[-1] if spans else None
             if (
                 last is not None
+                and last[-1].pack == target.pack
                 and last[-1].chunk.offset + last[-1].chunk.stored == target.chunk.offset
                 and target.chunk.offset + target.chunk.stored - last[0].chunk.offset <= _SPAN
             ):
@@ -192,7 +228,8 @@ class ChunkReader:
                         f"{self.source.url}: tensor {entry.name!r} overflows its storage"
                     )
                 what = f"chunk {index} of tensor {entry.name!r}"
-                targets.append(ChunkRead(chunk, memory[position : position + chunk.raw], what))
+                into = memory[position : position + chunk.raw]
+                targets.append(ChunkRead(chunk, into, what, entry.pack_of(index)))
                 position += chunk.raw
             if position != entry.nbytes:
                 raise IntegrityError(

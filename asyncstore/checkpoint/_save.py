@@ -12,14 +12,15 @@ from typing import Any, Literal, TypedDict
 
 from .._concurrency import forget_errors, shield
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
-from ._codec import Codecs
+from ..stores import Store
+from ._codec import Codecs, Known
 from ._handle import SaveHandle
 from ._pickle import pickle_structure
-from ._pipeline import SaveJob
+from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
 from ._target import Resolved, Sink, open_sink, resolve
 
-__all__ = ["save", "SaveOptions"]
+__all__ = ["save", "save_packed", "SaveOptions"]
 
 
 class SaveOptions(TypedDict, total=False):
@@ -120,11 +121,45 @@ async def save(
     started = time.perf_counter()
     config = _config(compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority)
     resolved = resolve(target, store_options, writing=True)
+    return await _start(obj, resolved, config, started, None)
+
+
+async def save_packed(
+    obj: Any,
+    store: Store,
+    key: str,
+    pack: str,
+    known: Known,
+    *,
+    compression: Literal["auto", "zstd"] | None,
+    staging_bytes: int,
+    priority: Literal["low", "normal"],
+    metadata: dict[str, Any],
+    chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
+) -> SaveHandle:
+    """:func:`save` to ``key`` in ``store`` as a differential checkpoint (format version 2):
+    chunks ``known`` from earlier versions' packs are stored as references to them, the
+    others go to the new pack ``pack`` (a key relative to ``key``'s directory), which
+    commits before the checkpoint that points into it."""
+    started = time.perf_counter()
+    config = _config(compression, 1, chunk_bytes, staging_bytes, (), metadata, priority)
+    resolved = resolve((store, key), None, writing=True)
+    return await _start(obj, resolved, config, started, (pack, known))
+
+
+async def _start(
+    obj: Any,
+    resolved: Resolved,
+    config: SaveConfig,
+    started: float,
+    packed: tuple[str, Known] | None,
+) -> SaveHandle:
     locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
     lock = locks.setdefault(resolved.url, asyncio.Lock())
     await lock.acquire()
     release_target = functools.partial(_release, resolved, lock)
     sink: Sink | None = None
+    pack: PackTarget | None = None
     try:
         structure, storages, entries = pickle_structure(obj)
         pool = staging_pool(config.chunk_bytes)
@@ -133,6 +168,9 @@ async def save(
         remote = resolved.store is not None and resolved.store.remote
         codecs = Codecs(config.compression, config.level, config.exclude, where, remote)
         sink = await open_sink(resolved)
+        if packed is not None:
+            name, known = packed
+            pack = PackTarget(await open_sink(resolved.sibling(name)), name, known)
         job = SaveJob(
             sink,
             structure,
@@ -143,9 +181,12 @@ async def save(
             codecs,
             background=config.priority == "low",
             release_target=release_target,
+            pack=pack,
         )
     except BaseException as exc:
-        # Before the job exists, nothing but the sink and the target is held.
+        # Before the job exists, nothing but the sinks and the target is held.
+        if pack is not None:
+            await shield(_abort(pack.sink, exc))
         if sink is not None:
             await shield(_abort(sink, exc))
         await shield(release_target())

@@ -49,6 +49,17 @@ class Source:
     async def read(self, start: int, end: int) -> bytes:
         raise NotImplementedError
 
+    def sibling(self, name: str) -> Source:
+        """The object ``name`` (a key relative to this one's directory) in the same place.
+
+        Raises:
+            InvalidArgument: there is no place beside this source (a file object).
+        """
+        raise InvalidArgument(
+            f"{self.url}: a differential checkpoint's chunks lie in packs beside it; "
+            "load it by path or URL, not from a file object"
+        )
+
     async def aclose(self) -> None:
         """Release what the source opened."""
 
@@ -67,6 +78,24 @@ class Resolved:
             return f"{self.store.url}/{self.key}"
         name = getattr(self.file, "name", type(self.file).__name__)
         return f"<file object {name!r} at {id(self.file):#x}>"
+
+    def sibling(self, name: str) -> Resolved:
+        """The object ``name`` (a relative key) beside this one, in the same store.
+
+        Raises:
+            InvalidArgument: this is a file object: there is nothing beside it.
+        """
+        if self.store is None or self.key is None:
+            raise InvalidArgument(
+                f"{self.url}: a differential checkpoint's chunks lie in packs beside it; "
+                "load it by path or URL, not from a file object"
+            )
+        head = self.key.rpartition("/")[0]
+        key = f"{head}/{name}" if head else name
+        resolved = Resolved(self.store, check_key(key, self.store.url), None)
+        if isinstance(self.store, LocalFiles):
+            resolved.local_path = self.store.local_path(key)
+        return resolved
 
     async def aclose(self) -> None:
         """Close the store if it was opened for this target."""
@@ -252,6 +281,12 @@ class StoreSource(Source):
         # S3: the version (ETag) that size() saw; every read is pinned to it, so a save over
         # the key during the load is reported as such rather than as a damaged checkpoint.
         self._etag: str | None = None
+
+    def sibling(self, name: str) -> Source:
+        head = self._key.rpartition("/")[0]
+        key = check_key(f"{head}/{name}" if head else name, self._store.url)
+        path = self._store.local_path(key) if isinstance(self._store, LocalFiles) else None
+        return StoreSource(self._store, key, path if self.local_path is not None else None)
 
     def fd(self) -> int:
         """The local file's descriptor, opened on first use (worker threads only).

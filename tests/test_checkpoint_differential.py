@@ -1,0 +1,289 @@
+"""Differential saves: chunks an earlier version holds are stored as references into its
+pack, packs go by reachability, and every kept version loads byte for byte."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import torch
+import xxhash
+
+import asyncstore
+from asyncstore import IntegrityError, InvalidArgument
+from asyncstore.checkpoint import Checkpointer, read_manifest, staging_pool
+from asyncstore.checkpoint import _format as fmt
+
+from .test_checkpointer import assert_tidy, contents
+
+pytestmark = pytest.mark.anyio
+
+CHUNK = 256 * 1024
+TENSORS = 20
+
+
+@pytest.fixture(autouse=True)
+def _give_staging_back() -> Iterator[None]:
+    # The staging pool of a chunk size is shared by the process: later tests measure it.
+    yield
+    staging_pool(CHUNK).trim()
+
+
+def base_state() -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    # One chunk each (256 KiB), random: nothing compresses, so bytes written are exact.
+    return {f"t{i:02d}": torch.randn(CHUNK // 4, generator=gen) for i in range(TENSORS)}
+
+
+def changed(state: dict[str, Any], fraction: float, seed: int) -> dict[str, Any]:
+    out = {k: v.clone() for k, v in state.items()}
+    for key in sorted(out)[: round(TENSORS * fraction)]:
+        out[key].add_(float(seed))
+    return out
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+async def test_bytes_written_follow_what_changed(tmp_path: Path) -> None:
+    full = TENSORS * CHUNK
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=10) as ckpt:
+        state = base_state()
+        first = await (await ckpt.save(state, 0))
+        assert first.skipped_bytes == 0
+        assert full <= first.stored_bytes < full * 1.02
+        saved = {0: state}
+        for step, fraction in ((1, 0.0), (2, 0.1), (3, 1.0)):
+            state = changed(state, fraction, step)
+            saved[step] = state
+            result = await (await ckpt.save(state, step))
+            new = round(TENSORS * fraction) * CHUNK
+            assert result.skipped_bytes == full - new, fraction
+            # The new chunks, plus the structure and manifest (a few KB).
+            assert new <= result.stored_bytes < new + 0.02 * full, fraction
+        stats = ckpt.stats()
+        assert stats.bytes_skipped == 2 * full - 2 * CHUNK
+        for step, state in saved.items():
+            assert_same(await ckpt.load(step), state)
+            assert (await ckpt.verify(step)).ok
+        # A 0% change wrote no pack at all; 10% wrote one with two chunks.
+        versions, named, _ = await contents(tmp_path)
+        manifests = [await read_manifest(tmp_path / key) for key in versions]
+        assert [len(m.packs) for m in manifests] == [1, 1, 2, 1]
+        assert manifests[1].packs == manifests[0].packs
+        assert all(m.format == 2 for m in manifests)
+        assert len(named) == 3
+
+
+async def test_versions_kept_after_retention_still_load_and_verify(
+    run_url: tuple[str, dict[str, Any] | None],
+) -> None:
+    # 12 saves, each changing 10% (a different 10% each time), keep_last=3 and every 4th
+    # kept for good: whatever retention removed, every kept version loads byte for byte,
+    # and the run holds exactly the packs its versions point into.
+    url, options = run_url
+    saved: dict[int, dict[str, Any]] = {}
+    async with Checkpointer(
+        url, chunk_bytes=CHUNK, keep_last=3, keep_every=4, store_options=options
+    ) as ckpt:
+        state = base_state()
+        for step in range(12):
+            state = {k: v.clone() for k, v in state.items()}
+            for i in (step * 2 % TENSORS, (step * 2 + 1) % TENSORS):
+                state[f"t{i:02d}"].mul_(-1.5)
+            saved[step] = state
+            await (await ckpt.save(state, step))
+        steps = [v.step for v in await ckpt.versions()]
+        assert steps == [0, 4, 8, 9, 10, 11]
+        assert ckpt.stats().bytes_skipped == 11 * (TENSORS - 2) * CHUNK
+    async with Checkpointer(url, store_options=options) as again:
+        for step in steps:
+            assert_same(await again.load(step), saved[step])
+            assert (await again.verify(step)).ok
+        await again.delete(0)  # the oldest: its pack holds chunks later ones point to
+        await again.delete(4)
+        for step in (8, 9, 10, 11):
+            assert_same(await again.load(step), saved[step])
+        assert await again.gc() == 0
+    await assert_tidy(Path(url) if options is None else url, options)
+
+
+async def test_a_missing_pack_falls_back_to_the_version_before(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=5) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        newer = changed(state, 0.1, 2)
+        await (await ckpt.save(newer, 2))
+        # Version 2 points into version 1's pack and its own: lose its own.
+        own = (await read_manifest(tmp_path / "step-000000002.ckpt")).packs
+        first = (await read_manifest(tmp_path / "step-000000001.ckpt")).packs
+        (tmp_path / next(p for p in own if p not in first)).unlink()
+        with pytest.raises(IntegrityError, match=r"step 2 .*which is missing"):
+            await ckpt.load(strict=True)
+        with caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"):
+            assert_same(await ckpt.load(), state)
+        assert any("step 2" in r.getMessage() for r in caplog.records)
+        report = await ckpt.verify(2)
+        assert not report.ok
+        assert report.error is not None
+        assert "missing" in report.error
+
+
+async def test_a_flipped_byte_in_a_shared_pack_names_the_pack(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=5) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(state, 2))  # nothing changed: all of it in 1's pack
+        (pack,) = (await read_manifest(tmp_path / "step-000000002.ckpt")).packs
+        path = tmp_path / pack
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 1
+        path.write_bytes(bytes(data))
+        for step in (1, 2):
+            with pytest.raises(IntegrityError, match=rf"of {pack}\) does not match"):
+                await ckpt.load(step)
+
+
+async def test_packs_a_save_in_flight_points_into_outlive_retention(tmp_path: Path) -> None:
+    # Save 2 starts while save 1 is writing, and points into version 0's pack. Save 1
+    # changed everything and commits first: retention (keep_last=1) then deletes version
+    # 0, and no committed version names its pack any more. It must survive until version
+    # 2, which names it, has committed.
+    state = base_state()
+    slow = {**state, "extra": torch.randn(8_000_000)}  # 32 MB more: save 2 ends last
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=1) as ckpt:
+        await (await ckpt.save(state, 0))
+        (pack0,) = (await read_manifest(tmp_path / "step-000000000.ckpt")).packs
+        one = await ckpt.save(changed(state, 1.0, 1), 1)
+        two = await ckpt.save(slow, 2)
+        await one
+        await two
+    # Save 2 did start before version 0 went: it points into pack 0.
+    assert pack0 in (await read_manifest(tmp_path / "step-000000002.ckpt")).packs
+    assert await assert_tidy(tmp_path) == ["step-000000002.ckpt"]
+    async with Checkpointer(tmp_path) as again:
+        assert_same(await again.load(), slow)
+
+
+async def test_a_self_contained_run_writes_format_1(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, differential=False, chunk_bytes=CHUNK) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        result = await (await ckpt.save(state, 2))
+        assert result.skipped_bytes == 0
+    manifest = await read_manifest(tmp_path / "step-000000002.ckpt")
+    assert manifest.format == 1
+    assert manifest.packs == []
+    assert not (tmp_path / "packs").exists()
+    raw = (tmp_path / "step-000000002.ckpt").read_bytes()
+    assert b"packs" not in raw[-fmt.FOOTER_SIZE - 4096 :]  # nothing a version 1 reader lacks
+    assert_same(await asyncstore.load(tmp_path / "step-000000002.ckpt"), state)
+
+
+async def test_a_differential_version_loads_by_path_but_not_from_a_file_object(
+    tmp_path: Path,
+) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+    path = tmp_path / "step-000000001.ckpt"
+    assert_same(await asyncstore.load(path), state)
+    assert_same(await asyncstore.load(f"file://{path}"), state)
+    with pytest.raises(InvalidArgument, match="packs beside it"):
+        await asyncstore.load(io.BytesIO(path.read_bytes()))
+
+
+def _rewrite_manifest(path: Path, change: Any) -> None:
+    # Re-sign a manifest after changing it: the checksums then hold, and only the layout
+    # checks stand between the crafted manifest and the reader.
+    data = path.read_bytes()
+    footer = fmt.decode_footer(data[-fmt.FOOTER_SIZE :], str(path))
+    assert footer is not None
+    start, end = footer.manifest_offset, footer.manifest_offset + footer.manifest_length
+    manifest = change(fmt.decode_manifest(data[start:end], footer, str(path)))
+    manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
+    encoded = fmt.encode_manifest(manifest)
+    new_footer = msgspec.structs.replace(
+        footer, manifest_length=len(encoded), manifest_xxh3=xxhash.xxh3_64_intdigest(encoded)
+    )
+    path.write_bytes(data[:start] + encoded + fmt.encode_footer(new_footer))
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["../../etc/passwd", "packs/../../x.pack", "/abs.pack", "packs/x", "packs/.hidden.pack"],
+)
+async def test_a_crafted_pack_name_is_refused(tmp_path: Path, bad: str) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        await (await ckpt.save(base_state(), 1))
+    path = tmp_path / "step-000000001.ckpt"
+    _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, packs=[bad]))
+    with pytest.raises(IntegrityError, match="names a pack"):
+        await asyncstore.load(path)
+
+
+async def test_a_crafted_pack_index_is_refused(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        await (await ckpt.save(base_state(), 1))
+    path = tmp_path / "step-000000001.ckpt"
+
+    def point_past(m: fmt.Manifest) -> fmt.Manifest:
+        first = msgspec.structs.replace(m.storages[0], packs=[5] * len(m.storages[0].chunks))
+        return msgspec.structs.replace(m, storages=[first, *m.storages[1:]])
+
+    _rewrite_manifest(path, point_past)
+    with pytest.raises(IntegrityError, match="impossibly"):
+        await asyncstore.load(path)
+
+
+async def test_a_version_1_manifest_naming_packs_is_refused(tmp_path: Path) -> None:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        await (await ckpt.save(base_state(), 1))
+    path = tmp_path / "step-000000001.ckpt"
+    _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, format=1))
+    data = path.read_bytes()  # and the footer says version 1 as well
+    footer = fmt.decode_footer(data[-fmt.FOOTER_SIZE :], str(path))
+    assert footer is not None
+    footer = msgspec.structs.replace(footer, version=1)
+    path.write_bytes(data[: -fmt.FOOTER_SIZE] + fmt.encode_footer(footer))
+    with pytest.raises(IntegrityError, match="version 1 manifest names packs"):
+        await asyncstore.load(path)
+
+
+async def test_cancelled_differential_saves_leave_no_pack(tmp_path: Path) -> None:
+    # A differential save cancelled at random moments: no pack, temp file or version from
+    # it stays visible once gc has run, and the versions before it load.
+    import random
+
+    rng = random.Random(1)
+    state = base_state()
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=3) as ckpt:
+        await (await ckpt.save(state, 0))
+        for trial in range(8):
+            newer = changed(state, 0.5, trial + 1)
+            task = asyncio.ensure_future(ckpt.save(newer, 100 + trial))
+            await asyncio.sleep(rng.random() * 0.03)
+            task.cancel()
+            try:
+                handle = await task
+                handle.cancel()  # it may have committed already: then it stays, whole
+                with contextlib.suppress(asyncio.CancelledError):
+                    await handle
+            except asyncio.CancelledError:
+                pass
+        await ckpt.gc()
+        versions = [v.step for v in await ckpt.versions()]
+        assert_same(await ckpt.load(0), state)
+    assert await assert_tidy(tmp_path) == [f"step-{s:09d}.ckpt" for s in versions]
