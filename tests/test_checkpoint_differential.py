@@ -287,3 +287,65 @@ async def test_cancelled_differential_saves_leave_no_pack(tmp_path: Path) -> Non
         versions = [v.step for v in await ckpt.versions()]
         assert_same(await ckpt.load(0), state)
     assert await assert_tidy(tmp_path) == [f"step-{s:09d}.ckpt" for s in versions]
+
+
+async def test_versions_say_what_each_save_wrote_and_which_is_damaged(tmp_path: Path) -> None:
+    full = TENSORS * CHUNK
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=5) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(changed(state, 0.1, 2), 2))
+        one, two = await ckpt.versions()
+        assert one.raw_bytes == two.raw_bytes > full
+        assert full <= one.stored_bytes < 1.02 * full
+        assert 2 * CHUNK <= two.stored_bytes < 2 * CHUNK + 0.02 * full
+        assert one.size < 0.02 * full  # the object holds no chunks: they are in packs
+        assert (one.state, two.state) == ("committed", "committed")
+        # A chunk of version 2's own pack damaged: verify finds it, and says so after.
+        (own,) = set((await read_manifest(tmp_path / two.key)).packs) - set(
+            (await read_manifest(tmp_path / one.key)).packs
+        )
+        data = bytearray((tmp_path / own).read_bytes())
+        data[-100] ^= 1
+        (tmp_path / own).write_bytes(bytes(data))
+        assert not (await ckpt.verify(2)).ok
+        assert [v.state for v in await ckpt.versions()] == ["committed", "damaged"]
+        # Saved again: committed again.
+        await (await ckpt.save(state, 2))
+        assert [v.state for v in await ckpt.versions()] == ["committed", "committed"]
+        # A damaged manifest is seen by the listing itself.
+        data = bytearray((tmp_path / one.key).read_bytes())
+        data[-fmt.FOOTER_SIZE - 10] ^= 1
+        (tmp_path / one.key).write_bytes(bytes(data))
+    async with Checkpointer(tmp_path) as again:
+        assert [v.state for v in await again.versions()] == ["damaged", "committed"]
+        assert (await again.versions())[0].raw_bytes == 0
+
+
+async def test_verify_reads_a_large_checkpoint_a_batch_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncstore.checkpoint import _load, _reader
+
+    monkeypatch.setattr(_load, "_VERIFY_BATCH", 3 * CHUNK)
+    batches: list[int] = []
+    real = _reader.ChunkReader.storages
+
+    async def counted(self: Any, entries: list[fmt.Storage]) -> Any:
+        batches.append(sum(e.nbytes for e in entries))
+        return await real(self, entries)
+
+    monkeypatch.setattr(_reader.ChunkReader, "storages", counted)
+    state = {**base_state(), "big": torch.randn(CHUNK)}  # 4 chunks: read alone
+    path = tmp_path / "c.ckpt"
+    await (await asyncstore.save(state, path, chunk_bytes=CHUNK))
+    manifest = await asyncstore.checkpoint.verify(path)
+    assert len(manifest.storages) == TENSORS + 1
+    assert sum(batches) == TENSORS * CHUNK + 4 * CHUNK
+    assert max(batches) == 4 * CHUNK
+    assert sorted(batches)[:-1] == [(TENSORS % 3) * CHUNK] + [3 * CHUNK] * (TENSORS // 3)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not match its checksum"):
+        await asyncstore.checkpoint.verify(path)

@@ -384,6 +384,12 @@ async def test_a_mirror_that_is_down_never_costs_a_local_version(
     async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
         for step in range(4):
             await (await ckpt.save(state_of(step), step))  # the saves never fail
+        # Resuming does not need the mirror: the local versions list and load.
+        versions = await ckpt.versions()
+        assert [(v.step, v.where, v.state) for v in versions] == [
+            (step, "local", "uploading") for step in range(4)
+        ]
+        assert (await ckpt.load())["step"] == 3
     assert ckpt.stats().upload_failures >= 4
     assert ckpt.stats().uploads == 0
     # Retention kept every local version: none is on the mirror yet.

@@ -2,7 +2,7 @@
 
 from ._format import FORMAT_VERSION, Manifest
 from ._handle import SaveHandle, SaveResult
-from ._load import load, read_manifest
+from ._load import load, read_manifest, verify
 from ._manager import Checkpointer, CheckpointerConfig, CheckpointerStats, VerifyReport, Version
 from ._save import save
 from ._staging import StagingPool, staging_pool
@@ -20,6 +20,7 @@ __all__ = [
     "StagingPool",
     "staging_pool",
     "read_manifest",
+    "verify",
     "Manifest",
     "FORMAT_VERSION",
 ]

@@ -23,7 +23,11 @@ from ._reader import ChunkReader, manifest_of
 from ._target import FileSource, Source, open_source, resolve
 from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
 
-__all__ = ["load", "read_manifest", "LoadOptions"]
+__all__ = ["load", "read_manifest", "verify", "LoadOptions"]
+
+# verify() reads storages in batches of about this many bytes: its memory, whatever the
+# checkpoint's size (a storage larger than it is read alone).
+_VERIFY_BATCH = 256 * 1024 * 1024
 
 
 class LoadOptions(TypedDict, total=False):
@@ -58,6 +62,46 @@ async def read_manifest(
             raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
         return manifest
     finally:
+        await resolved.aclose()
+
+
+async def verify(source: Any, *, store_options: dict[str, Any] | None = None) -> fmt.Manifest:
+    """Check every checksum of the checkpoint at ``source`` (the footer, the manifest, the
+    structure and every chunk, in its packs too) without building any tensor; return its
+    manifest.
+
+    Reads about 256 MiB at a time (a larger storage alone), so it checks a checkpoint
+    larger than this machine's memory. ``source`` as for :func:`load`.
+
+    Raises:
+        IntegrityError: it is damaged (the message names the chunk, the tensor and where),
+            or it is not an asyncstore checkpoint.
+        NotFound: there is nothing at ``source``.
+    """
+    resolved = resolve(source, store_options, writing=False)
+    src = open_source(resolved)
+    reader: ChunkReader | None = None
+    try:
+        manifest = await manifest_of(src)
+        if manifest is None:
+            raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
+        reader = ChunkReader(src, manifest)
+        await reader.structure()
+        batch: list[fmt.Storage] = []
+        size = 0
+        for entry in manifest.storages:
+            if batch and size + entry.nbytes > _VERIFY_BATCH:
+                await reader.storages(batch)  # read, checked, and dropped
+                batch, size = [], 0
+            batch.append(entry)
+            size += entry.nbytes
+        if batch:
+            await reader.storages(batch)
+        return manifest
+    finally:
+        if reader is not None:
+            await shield(reader.aclose())
+        await shield(src.aclose())
         await resolved.aclose()
 
 

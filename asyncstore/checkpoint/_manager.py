@@ -31,6 +31,7 @@ from ._codec import Known
 from ._format import PACK_NAME
 from ._handle import SaveHandle
 from ._load import load as _load
+from ._load import verify as _verify
 from ._mirror import copy_version
 from ._packs import PACKS, PackBook, pack_name
 from ._save import save as _save
@@ -90,10 +91,17 @@ class Version(msgspec.Struct, frozen=True):
     Attributes:
         step: the training step it was saved at.
         key: its key in the store (``step-000001000.ckpt``).
-        size: bytes stored.
+        size: the bytes of that object (for a differential version, only its structure
+            and manifest: its chunks lie in packs).
         mtime: when it was committed (Unix seconds, from the store; ``None`` if unknown).
         where: which store holds it: ``"local"`` (the checkpointer's own URL),
             ``"mirror"``, or ``"both"``.
+        state: ``"committed"``; ``"uploading"`` while a mirror lacks a local version;
+            ``"damaged"`` when its manifest does not verify, or when a load or
+            :meth:`~Checkpointer.verify` of this checkpointer found it damaged.
+        raw_bytes: the tensors' bytes plus the pickled structure (0 when damaged).
+        stored_bytes: what its save wrote, the chunks earlier versions held left out
+            (0 when damaged).
     """
 
     step: int
@@ -101,6 +109,9 @@ class Version(msgspec.Struct, frozen=True):
     size: int
     mtime: float | None
     where: Literal["local", "mirror", "both"] = "local"
+    state: Literal["committed", "uploading", "damaged"] = "committed"
+    raw_bytes: int = 0
+    stored_bytes: int = 0
 
 
 class CheckpointerStats(msgspec.Struct):
@@ -234,6 +245,8 @@ class Checkpointer(AsyncResource):
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
         self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
         self._packs = PackBook()
+        # Copies a load or verify found damaged, as (store URL, key), until saved again.
+        self._damaged: set[tuple[str, str]] = set()
         self._stats = CheckpointerStats()
 
     @property
@@ -288,6 +301,7 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
         key = version_key(step)
+        self._damaged.discard((self._store.url, key))
         options: dict[str, Any] = {
             "compression": config.compression,
             "staging_bytes": config.staging_bytes,
@@ -481,16 +495,51 @@ class Checkpointer(AsyncResource):
 
     async def versions(self) -> list[Version]:
         """Every committed version, oldest first; with a mirror, those of either store
-        (``Version.where`` says which holds it)."""
+        (``Version.where`` says which holds it). Reads each version's manifest once (for
+        its sizes and state), from the local copy where there is one."""
         await self._ensure_open()
-        return await self._list()
+        described = []
+        for version in await self._list():
+            store = self._copies(version)[0]
+            state = version.state
+            try:
+                manifest = await self._packs.manifest(
+                    store, version.key, version.size, version.mtime
+                )
+            except NotFound:
+                continue  # deleted since it was listed
+            except IntegrityError:
+                described.append(msgspec.structs.replace(version, state="damaged"))
+                continue
+            if (store.url, version.key) in self._damaged:
+                state = "damaged"
+            described.append(
+                msgspec.structs.replace(
+                    version,
+                    state=state,
+                    raw_bytes=manifest.raw_bytes,
+                    stored_bytes=manifest.stored_bytes,
+                )
+            )
+        return described
 
     async def _list(self) -> list[Version]:
         local = {v.step: v for v in await self._list_store(self._store)}
         if self._mirror is None:
             return list(local.values())
-        merged = dict(local)
-        for version in await self._list_store(self._mirror):
+        # Local only: the upload has not committed yet.
+        merged = {step: msgspec.structs.replace(v, state="uploading") for step, v in local.items()}
+        try:
+            mirrored = await self._list_store(self._mirror)
+        except (AsyncStoreError, OSError) as exc:
+            # A resume must not depend on the mirror: the local versions are listed alone.
+            logger.warning(
+                "the mirror %s cannot be listed (%s); listing the local versions only",
+                self._mirror.url,
+                exc,
+            )
+            mirrored = []
+        for version in mirrored:
             here = local.get(version.step)
             if here is None:
                 merged[version.step] = msgspec.structs.replace(version, where="mirror")
@@ -557,6 +606,8 @@ class Checkpointer(AsyncResource):
                 return await _load((store, version.key), **options)
             except (IntegrityError, NotFound) as exc:
                 # NotFound: deleted by another process's retention since it was listed.
+                if isinstance(exc, IntegrityError):
+                    self._damaged.add((store.url, version.key))
                 if len(copies) > 1:
                     logger.warning("%s/%s does not load (%s)", store.url, version.key, exc)
                 error = exc
@@ -635,12 +686,13 @@ class Checkpointer(AsyncResource):
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
         for store in self._copies(version):
             try:
-                # Loading reads and checks every chunk; the tensors are dropped at once.
-                await _load((store, key), map_location="cpu")
+                await _verify((store, key))
             except IntegrityError as exc:
+                self._damaged.add((store.url, key))
                 if raise_on_error:
                     raise
                 return VerifyReport(step, False, str(exc))
+            self._damaged.discard((store.url, key))
         return VerifyReport(step, True)
 
     async def gc(self) -> int:
