@@ -103,10 +103,11 @@ async def test_versions_kept_after_retention_still_load_and_verify(
                 state[f"t{i:02d}"].mul_(-1.5)
             saved[step] = state
             await (await ckpt.save(state, step))
-        steps = [v.step for v in await ckpt.versions()]
-        assert steps == [0, 4, 8, 9, 10, 11]
-        assert ckpt.stats().bytes_skipped == 11 * (TENSORS - 2) * CHUNK
+    # Step 10 starts a new chain (full_every=10): written whole.
+    assert ckpt.stats().bytes_skipped == 10 * (TENSORS - 2) * CHUNK
     async with Checkpointer(url, store_options=options) as again:
+        steps = [v.step for v in await again.versions()]  # the last retention has run
+        assert steps == [0, 4, 8, 9, 10, 11]
         for step in steps:
             assert_same(await again.load(step), saved[step])
             assert (await again.verify(step)).ok
@@ -269,7 +270,7 @@ async def test_cancelled_differential_saves_leave_no_pack(tmp_path: Path) -> Non
 
     rng = random.Random(1)
     state = base_state()
-    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=3) as ckpt:
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=20) as ckpt:
         await (await ckpt.save(state, 0))
         for trial in range(8):
             newer = changed(state, 0.5, trial + 1)
@@ -284,8 +285,10 @@ async def test_cancelled_differential_saves_leave_no_pack(tmp_path: Path) -> Non
             except asyncio.CancelledError:
                 pass
         await ckpt.gc()
-        versions = [v.step for v in await ckpt.versions()]
         assert_same(await ckpt.load(0), state)
+    async with Checkpointer(tmp_path) as again:
+        versions = [v.step for v in await again.versions()]
+    assert versions[0] == 0
     assert await assert_tidy(tmp_path) == [f"step-{s:09d}.ckpt" for s in versions]
 
 
@@ -349,3 +352,48 @@ async def test_verify_reads_a_large_checkpoint_a_batch_at_a_time(
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="does not match its checksum"):
         await asyncstore.checkpoint.verify(path)
+
+
+async def test_a_full_save_every_few_starts_a_chain_and_old_packs_go(tmp_path: Path) -> None:
+    # full_every=3, keep_last=2: once a chain's versions are gone, so are its packs,
+    # however many of their chunks were still the same; what stays is the newest chain.
+    saved = {}
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=2, full_every=3) as ckpt:
+        state = base_state()
+        chains, skipped = [], []
+        for step in range(8):
+            state = changed(state, 0.1, step + 1) if step else state
+            saved[step] = state
+            result = await (await ckpt.save(state, step))
+            skipped.append(result.skipped_bytes)
+            chains.append(
+                (await read_manifest(tmp_path / f"step-{step:09d}.ckpt")).metadata["chain"]
+            )
+        assert chains == [0, 1, 2, 0, 1, 2, 0, 1]
+        assert [s == 0 for s in skipped] == [c == 0 for c in chains]
+    # Closed: the last retention has run.
+    versions, named, _ = await contents(tmp_path)
+    assert versions == ["step-000000006.ckpt", "step-000000007.ckpt"]
+    # Version 6 was written whole, 7 points into it: two packs, both of this chain.
+    assert sorted(p.split("-")[1] for p in named) == ["000000006", "000000007"]
+    async with Checkpointer(tmp_path) as again:
+        for step in (6, 7):
+            assert_same(await again.load(step), saved[step])
+    await assert_tidy(tmp_path)
+
+
+async def test_a_damaged_newest_version_is_not_built_on(tmp_path: Path) -> None:
+    # The next save builds on the newest version whose manifest reads, not on a damaged one.
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK, keep_last=5) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(state, 2))
+        path = tmp_path / "step-000000002.ckpt"
+        data = bytearray(path.read_bytes())
+        data[-fmt.FOOTER_SIZE - 10] ^= 1
+        path.write_bytes(bytes(data))
+        result = await (await ckpt.save(state, 3))
+        assert result.skipped_bytes == TENSORS * CHUNK
+        manifest = await read_manifest(tmp_path / "step-000000003.ckpt")
+        assert manifest.metadata["chain"] == 1  # built on version 1 (0), not on 2
+        assert_same(await ckpt.load(3), state)

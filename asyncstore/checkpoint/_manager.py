@@ -49,6 +49,10 @@ UPLOAD_RETRY_SECONDS = 1.0
 """An upload to the mirror is tried this many times, the waits doubling from this; then it
 waits for the next checkpointer on the run (a mirror down for a minute costs warnings)."""
 
+# The metadata key of a differential version's place in its chain: 0 for a full save, then
+# one more for each differential save that builds on it.
+CHAIN = "chain"
+
 _NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(SUFFIX)}$")
 
 
@@ -83,6 +87,12 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     chunk_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_SAVE_CHUNK_BYTES
     """As for :func:`asyncstore.save`; also what a differential save compares: a chunk
     whose bytes did not change is not written again."""
+
+    full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
+    """Ten: a chain of differential versions shares the chunks of its full one, so a
+    damaged pack damages up to that many versions, and a pack with one chunk still in use
+    keeps all its bytes. A full save every tenth bounds both, at about 1.9 times the bytes
+    of saving a tenth each time."""
 
 
 class Version(msgspec.Struct, frozen=True):
@@ -176,6 +186,10 @@ class Checkpointer(AsyncResource):
             unchanged chunk (same size and xxh3) is stored as a reference to the pack of
             the version that wrote it (under ``packs/``). A pack goes once no version points
             into it. ``False`` writes each version as one self-contained object.
+        full_every: with ``differential``, every this many saves one is written whole (a
+            new chain): it bounds how many versions one damaged pack can take down, and
+            lets packs of older chains go once their versions do. ``metadata`` then holds
+            ``chain``, the version's place in its chain (0: written whole).
         compression, staging_bytes, priority, chunk_bytes: as for :func:`asyncstore.save`
             (``chunk_bytes`` is also the unit a differential save compares).
         store_options: options for :func:`open_store`.
@@ -208,6 +222,7 @@ class Checkpointer(AsyncResource):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         priority: Literal["low", "normal"] = "low",
         differential: bool = True,
+        full_every: int = 10,
         chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
         store_options: dict[str, Any] | None = None,
         mirror: str | os.PathLike[str] | None = None,
@@ -227,6 +242,7 @@ class Checkpointer(AsyncResource):
                 "staging_bytes": staging_bytes,
                 "priority": priority,
                 "differential": differential,
+                "full_every": full_every,
                 "chunk_bytes": chunk_bytes,
             },
             "Checkpointer",
@@ -313,7 +329,10 @@ class Checkpointer(AsyncResource):
         pins: set[str] = set()
         try:
             if config.differential:
-                known = await self._known()
+                known, chain = await self._base()
+                if chain >= config.full_every or not known:
+                    known, chain = {}, 0  # a full save: a new chain starts
+                options["metadata"][CHAIN] = chain
                 pack = pack_name(key)
                 # Pinned before the pack exists, until the version naming it commits (or
                 # the save fails): a collection meanwhile leaves them alone.
@@ -331,19 +350,25 @@ class Checkpointer(AsyncResource):
         )
         return handle
 
-    async def _known(self) -> Known:
-        # The chunks the packs of the committed versions here hold. A damaged version is
-        # left out (its chunks are written again).
-        known: Known = {}
-        for version in await self._list_store(self._store):
+    async def _base(self) -> tuple[Known, int]:
+        # What a differential save builds on: the chunks of the newest version here whose
+        # manifest reads, and how many differential saves since the last full one led to
+        # it. Only the newest: its chunks are the state as last saved, and packs that
+        # older chains point into can go once those versions do.
+        for version in reversed(await self._list_store(self._store)):
             try:
                 manifest = await self._packs.manifest(
                     self._store, version.key, version.size, version.mtime
                 )
             except (IntegrityError, NotFound):
-                continue
+                continue  # damaged, or deleted meanwhile: build on the one before
+            chain = manifest.metadata.get(CHAIN)
+            if isinstance(chain, bool) or not isinstance(chain, int) or chain < 0:
+                return {}, 0  # not a differential version of this run: start a chain
+            known: Known = {}
             self._packs.chunks_of(manifest, known)
-        return known
+            return known, chain + 1
+        return {}, 0
 
     async def _after_commit(self, handle: SaveHandle, step: int, key: str, pins: set[str]) -> None:
         # The key stays in _saving until its upload ends: gc and the resumed uploads leave
