@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -397,3 +398,24 @@ async def test_a_damaged_newest_version_is_not_built_on(tmp_path: Path) -> None:
         manifest = await read_manifest(tmp_path / "step-000000003.ckpt")
         assert manifest.metadata["chain"] == 1  # built on version 1 (0), not on 2
         assert_same(await ckpt.load(3), state)
+
+
+async def test_a_load_under_way_survives_retention_deleting_its_packs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process's retention may delete a version and its packs while this one loads
+    # it: once the load has begun, it reads the files it opened, as for a version 1 file.
+    from asyncstore.checkpoint import _reader
+
+    async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
+        state = base_state()
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(changed(state, 0.5, 2), 2))
+    real = _reader.ChunkReader.structure
+
+    async def deleted_meanwhile(self: Any) -> bytes:
+        shutil.rmtree(tmp_path)
+        return await real(self)
+
+    monkeypatch.setattr(_reader.ChunkReader, "structure", deleted_meanwhile)
+    assert_same(await asyncstore.load(tmp_path / "step-000000002.ckpt"), changed(state, 0.5, 2))

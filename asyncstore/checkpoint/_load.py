@@ -86,6 +86,7 @@ async def verify(source: Any, *, store_options: dict[str, Any] | None = None) ->
         if manifest is None:
             raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
         reader = ChunkReader(src, manifest)
+        await reader.open_packs()
         await reader.structure()
         batch: list[fmt.Storage] = []
         size = 0
@@ -258,6 +259,7 @@ async def load(
                 )
             return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
         reader = ChunkReader(src, manifest)
+        await reader.open_packs()
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
     finally:
         if reader is not None:

@@ -85,6 +85,26 @@ class ChunkReader:
             source = self._packs[pack] = self.source.sibling(self.manifest.packs[pack])
         return source
 
+    async def open_packs(self) -> None:
+        """Open every local pack the manifest names, now: a load then reads the packs as
+        they were, even if retention deletes them meanwhile (as it reads the checkpoint
+        from the file it opened first). Object stores have nothing to open.
+
+        Raises:
+            IntegrityError: a pack is missing.
+        """
+        for index, name in enumerate(self.manifest.packs):
+            source = self._source(index)
+            if isinstance(source, StoreSource) and source.local_path is not None:
+                try:
+                    await to_thread(source.fd)
+                except NotFound:
+                    raise IntegrityError(
+                        f"{self.source.url}: its chunks lie in {name}, which is missing: the "
+                        "checkpoint is damaged (a pack deleted outside asyncstore?); load an "
+                        "earlier one"
+                    ) from None
+
     async def aclose(self) -> None:
         """Close the packs' sources (the checkpoint's own is the caller's)."""
         packs, self._packs = list(self._packs.values()), {}
