@@ -14,6 +14,13 @@ values) of ``--size`` MiB, in fp32 and in bf16:
 
 Run ``python benchmarks/bench_checkpoint.py`` (``--size 64`` for a quick run, ``--write`` to
 record the tables in docs/benchmarks.md).
+
+``--mirror`` runs only the comparison of a ``Checkpointer`` that commits to a local directory
+and then uploads to an S3 mirror, against ``asyncstore.save`` straight to S3 and to a local
+file (blocking time, local commit, time until the version is in S3), with a training
+simulation that checkpoints through the mirrored Checkpointer: a state of ``--mib`` MiB
+(default 256) or ``--gib`` GiB in ``--tensors`` fp32 tensors; ``--pin`` keeps the training
+thread and everything else on separate cores.
 """
 
 from __future__ import annotations
@@ -21,8 +28,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import ctypes
 import gc
+import itertools
 import mmap
 import os
 import shutil
@@ -45,6 +54,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 import asyncstore
 from asyncstore.checkpoint import staging_pool
 from asyncstore.testing import SeaweedFS
+from asyncstore.torch import Checkpointer as SyncCheckpointer
 from asyncstore.torch import save_async
 
 MiB = 1 << 20
@@ -530,16 +540,496 @@ def simulate(state: dict[str, torch.Tensor], tmp: Path, say: Say, steps: int, ev
     say()
 
 
+# -- local first, then the mirror ------------------------------------------------------------
+
+
+def mirror_state(size: int, count: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    """``count`` fp32 matrices of 1024 columns, about ``size`` bytes in all (random normal
+    values, which do not compress)."""
+    rows = max(1, size // count // (1024 * 4))
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"layers.{i}.weight": torch.randn(rows, 1024, generator=gen) * 0.02 for i in range(count)
+    }
+
+
+def version_name(step: int) -> str:
+    """A Checkpointer's name for the version of ``step`` (see docs/checkpoints.md)."""
+    return f"step-{step:09d}.ckpt"
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """CPU time (user + system) of process ``pid``, all its threads; this process's by
+    default."""
+    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
+    # utime and stime are the stat file's fields 14 and 15; the split starts at field 3.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def busy_seconds() -> float:
+    """CPU time the whole machine spent busy (every process, all cores) since boot."""
+    ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def spread(values: list[float], unit: str = "s") -> str:
+    """The median, and the range when there are several values: ``0.12 s (0.11-0.14)``."""
+    med = statistics.median(values)
+    if len(values) < 2:
+        return f"{med:.2f} {unit}"
+    return f"{med:.2f} {unit} ({min(values):.2f}-{max(values):.2f})"
+
+
+def count_range(values: list[float]) -> str:
+    """``2``, or ``2-3`` when they differ."""
+    low, high = min(values), max(values)
+    return f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
+
+
+def verdict(value: float, limit: float) -> str:
+    return "PASS" if value <= limit else "MISS"
+
+
+class MirrorBench:
+    """Issue 13's goal, measured in one run against one SeaweedFS server: a Checkpointer
+    that commits to a local directory and then uploads to an S3 mirror, beside
+    ``asyncstore.save`` straight to S3 and ``asyncstore.save`` to a local file."""
+
+    POLL_SECONDS = 0.05
+    """How often the mirror is listed while waiting for a version to appear there: the
+    resolution of the "in S3" times, at 20 LIST requests a second."""
+
+    def __init__(
+        self,
+        state: dict[str, torch.Tensor],
+        tmp: Path,
+        server: SeaweedFS,
+        compression: Compression,
+        say: Say,
+    ) -> None:
+        self.state = state
+        self.tmp = tmp
+        self.server = server
+        self.compression: Compression = compression
+        self.say = say
+        # The same S3 options for the direct saves and the mirror.
+        self.options = server.store_options(part_bytes=16 * MiB, upload_max_inflight=4)
+        self.results: dict[str, list[float]] = {}
+
+    def note(self, name: str, value: float) -> None:
+        self.results.setdefault(name, []).append(value)
+
+    # The three ways of saving, each from a settled machine and an empty target.
+
+    async def local_once(self, step: int) -> None:
+        target = self.tmp / "local" / version_name(step)
+        settle()
+        started = time.perf_counter()
+        handle = await asyncstore.save(self.state, target, compression=self.compression)
+        self.note("local blocking", time.perf_counter() - started)
+        await handle
+        self.note("local total", time.perf_counter() - started)
+        drop(target)
+
+    async def direct_once(self, step: int) -> None:
+        url = f"s3://{BUCKET}/direct/{version_name(step)}"
+        settle()
+        started = time.perf_counter()
+        handle = await asyncstore.save(
+            self.state, url, compression=self.compression, store_options=self.options
+        )
+        self.note("direct blocking", time.perf_counter() - started)
+        await handle
+        self.note("direct total", time.perf_counter() - started)
+
+    async def mirrored_once(self, step: int) -> None:
+        local = self.tmp / f"mirrored-{step}"
+        settle()
+        async with asyncstore.Checkpointer(
+            local,
+            mirror=f"s3://{BUCKET}/mirrored-{step}",
+            mirror_options=self.options,
+            keep_last=2,
+            compression=self.compression,
+        ) as ckpt:
+            # Opened, and its look for unfinished uploads done, before the clock starts,
+            # as in a run that has been going for a while.
+            await ckpt.versions()
+            await asyncio.sleep(0.2)
+            started = time.perf_counter()
+            handle = await ckpt.save(self.state, step)
+            self.note("mirror blocking", time.perf_counter() - started)
+            await handle
+            self.note("mirror local commit", time.perf_counter() - started)
+            deadline = started + 600
+            while not any(v.step == step and v.where == "both" for v in await ckpt.versions()):
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"step {step} never reached the mirror: {ckpt.stats()}")
+                await asyncio.sleep(self.POLL_SECONDS)
+            self.note("mirror in S3", time.perf_counter() - started)
+            # Then read back from the mirror and compared, before it counts as mirrored.
+            while ckpt.stats().uploads < 1:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"step {step} was never checked: {ckpt.stats()}")
+                await asyncio.sleep(0.01)
+            self.note("mirror checked", time.perf_counter() - started)
+            stats = ckpt.stats()
+            self.note("upload seconds", stats.last_upload_seconds)
+            self.note("upload failures", stats.upload_failures)
+        drop(local)
+
+    def saves(self, rounds: int) -> None:
+        """Every kind once untimed (staging memory faulted in, SeaweedFS's volumes made),
+        then ``rounds`` rounds, the order rotating from one round to the next."""
+        kinds = [self.local_once, self.direct_once, self.mirrored_once]
+        with asyncio.Runner() as runner:
+            for kind in kinds:
+                runner.run(kind(1))
+            self.results.clear()
+            own, served, busy = cpu_seconds(), cpu_seconds(self.server.pid), busy_seconds()
+            started = time.perf_counter()
+            for r in range(rounds):
+                for kind in kinds[r % 3 :] + kinds[: r % 3]:
+                    runner.run(kind(1000 * (r + 1)))
+            self.note("saves seconds", time.perf_counter() - started)
+            others = busy_seconds() - busy - (cpu_seconds() - own)
+            self.note("saves other cpu", others - (cpu_seconds(self.server.pid) - served))
+
+    def simulate(
+        self, steps: int, every: int, rounds: int, thread_counts: list[int], pin: bool = False
+    ) -> dict[str, list[float]]:
+        """CPU training steps, with no checkpoints and with a mirrored Checkpointer saving
+        every ``every`` steps (not at the last step: the last upload overlaps the steps after
+        it, as it would in a longer run), the steps on each of ``thread_counts`` threads.
+        The two kinds of run alternate, so that the machine's drift hits both alike.
+
+        ``pin`` (one training thread only): the training thread runs on the first core, and
+        every other thread of this process and of the SeaweedFS server on the others, as if
+        the S3 server were another machine and asyncstore had a core to itself."""
+        training = threading.get_native_id()
+        everywhere = os.sched_getaffinity(0)
+        first = min(everywhere)
+
+        def place(cores: set[int] | None = None) -> None:
+            # Threads started later inherit their starter's cores.
+            for pid in (None, self.server.pid):
+                for task in os.listdir(f"/proc/{pid or 'self'}/task"):
+                    tid = int(task)
+                    if cores is not None:
+                        target = cores
+                    else:
+                        target = {first} if tid == training else everywhere - {first}
+                    with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                        os.sched_setaffinity(tid, target or everywhere)
+
+        a = torch.randn(384, 384)
+        touched = list(self.state.values())[:4]
+
+        def step() -> None:
+            # A fixed amount of work standing in for forward and backward.
+            x = a
+            for _ in range(12):
+                x = torch.tanh(x @ a)
+            for tensor in touched:
+                tensor.mul_(1.0)  # the optimizer touches the weights
+
+        times: dict[str, list[float]] = {}
+
+        def note(name: str, value: float) -> None:
+            times.setdefault(name, []).append(value)
+
+        runs = itertools.count()
+
+        def run(name: str, mirrored: bool) -> None:
+            ckpt: SyncCheckpointer | None = None
+            n = next(runs)  # each run starts from an empty directory and prefix
+            local = self.tmp / f"sim-{n}"
+            settle()
+            if mirrored:
+                ckpt = SyncCheckpointer(
+                    local,
+                    mirror=f"s3://{BUCKET}/sim-{n}",
+                    mirror_options=self.options,
+                    keep_last=2,
+                    compression=self.compression,
+                )
+                ckpt.versions()  # opened before the clock starts
+                time.sleep(0.2)
+            if pin:
+                place()
+            cpu, server_cpu, busy = cpu_seconds(), cpu_seconds(self.server.pid), busy_seconds()
+            blocking = 0.0
+            started = time.perf_counter()
+            for i in range(1, steps + 1):
+                step()
+                if ckpt is not None and i % every == 0 and i < steps:
+                    before = time.perf_counter()
+                    ckpt.save(self.state, i)
+                    blocking += time.perf_counter() - before
+            note(f"{name} loop", time.perf_counter() - started)
+            if ckpt is not None:
+                ckpt.close()  # waits for the uploads and retention still going on
+                stats = ckpt.stats()
+                note(f"{name} saves", stats.saves)
+                note(f"{name} uploads", stats.uploads)
+                note(f"{name} upload failures", stats.upload_failures)
+            note(f"{name} total", time.perf_counter() - started)
+            note(f"{name} blocking", blocking)
+            used, served = cpu_seconds() - cpu, cpu_seconds(self.server.pid) - server_cpu
+            note(f"{name} cpu", used)
+            note(f"{name} server cpu", served)
+            # What other processes took meanwhile: a run that shared the cores with
+            # something else shows it here.
+            note(f"{name} other cpu", busy_seconds() - busy - used - served)
+            drop(local)
+
+        default_threads = torch.get_num_threads()
+        try:
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for r in range(rounds):
+                    kinds = [("none", False), ("mirror", True)]
+                    for kind, mirrored in kinds if r % 2 == 0 else kinds[::-1]:
+                        run(f"{threads} {kind}", mirrored)
+        finally:
+            torch.set_num_threads(default_threads)
+            if pin:
+                place(everywhere)
+        return times
+
+    def report_saves(self, rounds: int) -> None:
+        say, res = self.say, self.results
+        size = nbytes(self.state)
+
+        def med(name: str) -> float:
+            return statistics.median(res[name])
+
+        say(
+            f"### Local first with an S3 mirror, against straight to S3: "
+            f"{size / MiB:,.0f} MiB fp32 in {len(self.state)} tensors"
+        )
+        say()
+        say(
+            f"compression={self.compression!r}, so that every writer stores the same bytes; "
+            f"S3 options: 16 MiB parts, 4 in flight. Medians of {rounds} rounds (order "
+            "rotating), range in brackets; every time counts from the call. *Blocking*: "
+            "until the call returned. *Local commit*: `await handle`. *In S3*: the object "
+            f"committed in S3 (the mirror listed every {self.POLL_SECONDS * 1000:.0f} ms). "
+            "*Checked*: the mirror's copy read back and compared, counted in "
+            "`stats().uploads`."
+        )
+        say()
+        say("| save | blocking | local commit | in S3 | checked |")
+        say("|---|---:|---:|---:|---:|")
+        say(
+            "| `asyncstore.save` to a local file | "
+            f"{spread(res['local blocking'])} | {spread(res['local total'])} | | |"
+        )
+        say(
+            "| `asyncstore.save` straight to S3 | "
+            f"{spread(res['direct blocking'])} | | {spread(res['direct total'])} | |"
+        )
+        say(
+            "| `Checkpointer(local, mirror=s3)`, `save` | "
+            f"{spread(res['mirror blocking'])} | {spread(res['mirror local commit'])} | "
+            f"{spread(res['mirror in S3'])} | {spread(res['mirror checked'])} |"
+        )
+        say()
+        say(
+            f"The mirror's upload (`stats().last_upload_seconds`: copy, then read back and "
+            f"compare) took {spread(res['upload seconds'])}; "
+            f"{sum(res['upload failures']):.0f} upload attempts failed. Other processes "
+            f"used {med('saves other cpu'):.1f} CPU seconds during these "
+            f"{med('saves seconds'):.0f} s of saves (the machine's noise)."
+        )
+        say()
+
+    def report_simulation(
+        self,
+        sim: dict[str, list[float]],
+        steps: int,
+        every: int,
+        rounds: int,
+        thread_counts: list[int],
+        pin: bool = False,
+    ) -> dict[int, float]:
+        """The simulation's table; returns the throughput lost by training threads."""
+        say = self.say
+        size = nbytes(self.state)
+        cores = os.cpu_count() or 1
+        say(
+            f"### Training simulation: {steps} CPU steps, the mirrored Checkpointer saving the "
+            f"{size / MiB:,.0f} MiB state every {every} steps"
+        )
+        say()
+        say(
+            f"Medians of {rounds} rounds, the two kinds of run alternating. Steps/s counts "
+            "the training loop; the throughput lost is the median of the rounds' own ratios "
+            "(each round's run with checkpoints against its run without). The run's end "
+            "waits for the last upload (closing the checkpointer). CPU seconds to the run's "
+            "end: this process's (training and asyncstore), the SeaweedFS server's, which "
+            "shares the same cores, and every other process's (the machine's noise)."
+            + (
+                " Pinned: the training thread on one core, SeaweedFS and asyncstore's threads "
+                "on the other."
+                if pin
+                else ""
+            )
+        )
+        say()
+        say(
+            "| training threads | checkpointing | steps/s | throughput lost | "
+            "blocked in save | to the run's end | CPU, process | CPU, SeaweedFS | CPU, others |"
+        )
+        say("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        lost_by_threads: dict[int, float] = {}
+        for threads in thread_counts:
+            paired = zip(sim[f"{threads} mirror loop"], sim[f"{threads} none loop"], strict=True)
+            lost_by_threads[threads] = statistics.median(m / n - 1 for m, n in paired)
+            for kind, title in (("none", "none (baseline)"), ("mirror", "Checkpointer + mirror")):
+                name = f"{threads} {kind}"
+                loop = statistics.median(sim[f"{name} loop"])
+                lost = f"{lost_by_threads[threads]:.1%}" if kind == "mirror" else ""
+                blocked = f"{statistics.median(sim[name + ' blocking']):.2f} s"
+                say(
+                    f"| {threads} of {cores} cores | {title} | {steps / loop:.1f} | {lost} | "
+                    f"{blocked if kind == 'mirror' else ''} | "
+                    f"{statistics.median(sim[name + ' total']):.2f} s | "
+                    f"{statistics.median(sim[name + ' cpu']):.1f} s | "
+                    f"{statistics.median(sim[name + ' server cpu']):.1f} s | "
+                    f"{statistics.median(sim[name + ' other cpu']):.1f} s |"
+                )
+        uploads = [u for t in thread_counts for u in sim[f"{t} mirror uploads"]]
+        saves = [s for t in thread_counts for s in sim[f"{t} mirror saves"]]
+        failures = [f for t in thread_counts for f in sim[f"{t} mirror upload failures"]]
+        say()
+        say(
+            f"Each run with checkpoints committed {count_range(saves)} versions and uploaded "
+            f"{count_range(uploads)}; {sum(failures):.0f} upload attempts failed. Each "
+            "round's loop times, without and with checkpoints:"
+        )
+        for threads in thread_counts:
+            pairs = zip(sim[f"{threads} none loop"], sim[f"{threads} mirror loop"], strict=True)
+            rounds_text = ", ".join(f"{n:.2f} / {m:.2f} s ({m / n - 1:+.1%})" for n, m in pairs)
+            say(f"- {threads} training thread{'s' if threads > 1 else ''}: {rounds_text}")
+        say()
+        return lost_by_threads
+
+    def report_goals(self, lost_by_threads: dict[int, float]) -> None:
+        say, res = self.say, self.results
+        cores = os.cpu_count() or 1
+
+        def med(name: str) -> float:
+            return statistics.median(res[name])
+
+        blocking_ratio = med("mirror blocking") / med("local blocking")
+        mirror_ratio = med("mirror in S3") / med("direct total")
+        checked_ratio = med("mirror checked") / med("direct total")
+        say("### Against the goals")
+        say()
+        say("| goal | measured | reading |")
+        say("|---|---:|---|")
+        say(
+            "| blocking the same as a local save (<= 1.2x `asyncstore.save` to a local file) | "
+            f"{blocking_ratio:.2f}x | {verdict(blocking_ratio, 1.2)} |"
+        )
+        say(
+            "| in S3 <= 1.1x the direct S3 save's total | "
+            f"{mirror_ratio:.2f}x | {verdict(mirror_ratio, 1.1)} |"
+        )
+        say(
+            "| (the same, counting the read-back check) | "
+            f"{checked_ratio:.2f}x | {verdict(checked_ratio, 1.1)} |"
+        )
+        for threads, share in lost_by_threads.items():
+            say(
+                f"| training throughput lost <= 5%, {threads} of {cores} cores training | "
+                f"{share:.1%} | {verdict(share, 0.05)} |"
+            )
+        say()
+
+
+def run_mirror(
+    tmp: Path,
+    say: Say,
+    size: int,
+    tensors: int,
+    rounds: int,
+    steps: int,
+    every: int,
+    sim_rounds: int,
+    thread_counts: list[int],
+    compression: Compression,
+    pin: bool,
+) -> None:
+    state = mirror_state(size, tensors)
+    server = SeaweedFS(data_dir=tmp / "seaweedfs")
+    server.start()
+    try:
+        server.create_bucket(BUCKET)
+        bench = MirrorBench(state, tmp, server, compression, say)
+        bench.saves(rounds)
+        bench.report_saves(rounds)
+        sim = bench.simulate(steps, every, sim_rounds, thread_counts, pin)
+        lost = bench.report_simulation(sim, steps, every, sim_rounds, thread_counts, pin)
+        bench.report_goals(lost)
+    finally:
+        server.stop(timeout=1.0)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=1024, help="state size in MiB")
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--every", type=int, default=200)
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument(
+        "--size",
+        "--mib",
+        dest="mib",
+        type=int,
+        help="state size in MiB (default 1024; 256 with --mirror)",
+    )
+    sizes.add_argument("--gib", type=float, help="state size in GiB")
+    parser.add_argument("--steps", type=int, help="training steps (default 800; 750 with --mirror)")
+    parser.add_argument(
+        "--every", type=int, help="steps between saves (default 200; 250 with --mirror)"
+    )
     parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
     parser.add_argument(
         "--small-loads", action="store_true", help="only the loads of many small tensors"
     )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="only the Checkpointer with an S3 mirror against saving straight to S3",
+    )
+    parser.add_argument("--tensors", type=int, default=50, help="with --mirror: tensors")
+    parser.add_argument("--rounds", type=int, default=3, help="with --mirror: rounds of saves")
+    parser.add_argument(
+        "--sim-rounds", type=int, default=4, help="with --mirror: rounds of the simulation"
+    )
+    parser.add_argument(
+        "--sim-threads",
+        type=int,
+        nargs="+",
+        help="with --mirror: training threads of the simulation, one setting after another "
+        "(default: all cores but one, which a GPU job's host leaves to I/O and data loading)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="with --mirror --sim-threads 1: the training thread on one core, SeaweedFS and "
+        "asyncstore's threads on the others",
+    )
+    parser.add_argument(
+        "--compression",
+        choices=("none", "auto"),
+        default="none",
+        help="with --mirror: compression of every save",
+    )
     args = parser.parse_args()
+    sim_threads = args.sim_threads or [max(1, (os.cpu_count() or 1) - 1)]
+    if args.pin and sim_threads != [1]:
+        parser.error("--pin needs --sim-threads 1")
     lines: list[str] = []
 
     def say(line: str = "") -> None:
@@ -548,11 +1038,37 @@ def main() -> int:
 
     say(f"Machine: {machine()}")
     say()
-    size = args.size * MiB
+    if args.gib is not None:
+        size = int(args.gib * 1024) * MiB
+    else:
+        size = (args.mib or (256 if args.mirror else 1024)) * MiB
     with tempfile.TemporaryDirectory(
         prefix="bench-checkpoint-", dir=os.environ.get("BENCH_DIR")
     ) as name:
         tmp = Path(name)
+        if args.mirror:
+            compression: Compression = None if args.compression == "none" else "auto"
+            run_mirror(
+                tmp,
+                say,
+                size,
+                args.tensors,
+                args.rounds,
+                args.steps or 750,
+                args.every or 250,
+                args.sim_rounds,
+                sim_threads,
+                compression,
+                args.pin,
+            )
+            if args.write:
+                record(
+                    "bench_checkpoint_mirror",
+                    "Checkpoints: local first, then the mirror",
+                    lines,
+                    script="bench_checkpoint",
+                )
+            return 0
         if args.small_loads:
             run_small_loads(tmp, say)
             if args.write:
@@ -569,7 +1085,7 @@ def main() -> int:
         del bf16
         gc.collect()
         sim = transformer_state(size // 4, torch.float32, seed=1)
-        simulate(sim, tmp, say, args.steps, args.every)
+        simulate(sim, tmp, say, args.steps or 800, args.every or 200)
     if args.write:
         record("bench_checkpoint", "Checkpoints", lines)
     return 0
