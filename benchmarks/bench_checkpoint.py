@@ -724,15 +724,17 @@ class MirrorBench:
                         os.sched_setaffinity(tid, target or everywhere)
 
         a = torch.randn(384, 384)
-        touched = list(self.state.values())[:4]
+        tensors = list(self.state.values())
 
-        def step() -> None:
+        def step(i: int) -> None:
             # A fixed amount of work standing in for forward and backward.
             x = a
             for _ in range(12):
                 x = torch.tanh(x @ a)
-            for tensor in touched:
-                tensor.mul_(1.0)  # the optimizer touches the weights
+            # The optimizer changes the weights, one tensor a step in turn: with a save every
+            # len(tensors) steps or more, every byte differs from the previous version's, as
+            # in training, and a differential save has nothing to skip.
+            tensors[i % len(tensors)].add_(1e-7)
 
         times: dict[str, list[float]] = {}
 
@@ -762,7 +764,7 @@ class MirrorBench:
             blocking = 0.0
             started = time.perf_counter()
             for i in range(1, steps + 1):
-                step()
+                step(i)
                 if ckpt is not None and i % every == 0 and i < steps:
                     before = time.perf_counter()
                     ckpt.save(self.state, i)
@@ -814,8 +816,9 @@ class MirrorBench:
             f"compression={self.compression!r}, so that every writer stores the same bytes; "
             f"S3 options: 16 MiB parts, 4 in flight. Medians of {rounds} rounds (order "
             "rotating), range in brackets; every time counts from the call. *Blocking*: "
-            "until the call returned. *Local commit*: `await handle`. *In S3*: the object "
-            f"committed in S3 (the mirror listed every {self.POLL_SECONDS * 1000:.0f} ms). "
+            "until the call returned. *Local commit*: `await handle`. *In S3*: the version "
+            "listed in S3 (`versions()` giving `where == 'both'`, asked every "
+            f"{self.POLL_SECONDS * 1000:.0f} ms). "
             "*Checked*: the mirror's copy read back and compared, counted in "
             "`stats().uploads`."
         )
