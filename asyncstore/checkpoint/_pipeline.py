@@ -469,6 +469,21 @@ class _Layout:
                 self._record(piece.storage.id, item.ref.chunk, item.ref.pack)
                 self.skipped += piece.size
                 continue
+            starts_run = item.codec == "raw" and not (run is not None and run[1] == piece.start)
+            if self.pack is not None and starts_run:
+                # A pack's chunks are not where the slab's layout planned them (chunks
+                # before them were skipped): pad, so that the run lies in the file as in
+                # the slab modulo ALIGN and a local file takes it around the page cache.
+                pad = (piece.start - self.position) % ALIGN
+                if pad:
+                    if small:
+                        await self._put(small)
+                        small = bytearray()
+                    if run is not None:
+                        await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                        run = None
+                    await self._put(bytes(pad))
+                    self.position += pad
             chunk = fmt.Chunk(
                 self.position,
                 len(item.stored),
