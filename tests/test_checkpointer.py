@@ -10,10 +10,12 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -395,10 +397,15 @@ async def test_a_mirror_that_is_down_never_costs_a_local_version(
     # Retention kept every local version: none is on the mirror yet.
     assert len(await assert_tidy(local)) == 4
     proxy.refuse(False)
+    committed = (local / "step-000000000.ckpt").stat().st_mtime
+    await anyio.sleep(1.0)  # the versions wait for the next process
     # The next checkpointer on the run uploads them, then retention trims both stores.
     async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as again:
         await again.versions()  # first use: the uploads resume
     assert again.stats().uploads == 4
+    # The lag counts from the local commit, made by the process before (the oldest
+    # version's is uploaded last).
+    assert again.stats().last_upload_lag_seconds >= time.time() - committed - 0.5
     assert await assert_tidy(local) == ["step-000000002.ckpt", "step-000000003.ckpt"]
     assert await assert_tidy(mirror, options) == ["step-000000002.ckpt", "step-000000003.ckpt"]
     async with Checkpointer(mirror, store_options=options) as only_mirror:

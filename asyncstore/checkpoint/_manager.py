@@ -389,7 +389,7 @@ class Checkpointer(AsyncResource):
             stats.bytes_written += result.stored_bytes
             stats.bytes_skipped += result.skipped_bytes
             if self._mirror is not None:
-                await self._upload(key, time.monotonic())
+                await self._upload(key, time.time())
         finally:
             self._saving.discard(key)
         await self._retain(newest=step)
@@ -440,8 +440,9 @@ class Checkpointer(AsyncResource):
     # -- the mirror ----------------------------------------------------------------------------
 
     async def _upload(self, key: str, committed: float) -> bool:
-        """Copy ``key`` to the mirror, retried with backoff; ``False`` when it gave up (the
-        next use of a checkpointer on this run resumes it)."""
+        """Copy ``key`` (committed locally at ``committed``, Unix seconds) to the mirror,
+        retried with backoff; ``False`` when it gave up (the next use of a checkpointer on
+        this run resumes it)."""
         assert self._mirror is not None
         delay = UPLOAD_RETRY_SECONDS
         for attempt in range(1, UPLOAD_ATTEMPTS + 1):
@@ -480,7 +481,8 @@ class Checkpointer(AsyncResource):
             now = time.monotonic()
             self._stats.uploads += 1
             self._stats.last_upload_seconds = now - started
-            self._stats.last_upload_lag_seconds = now - committed
+            # Wall clock: a resumed upload's version was committed by an earlier process.
+            self._stats.last_upload_lag_seconds = max(0.0, time.time() - committed)
             return True
         return False
 
@@ -512,7 +514,8 @@ class Checkpointer(AsyncResource):
         missing = [v for v in local if mirrored.get(v.step) != v.size]
         for version in reversed(missing):  # the newest first: it matters most
             if version.key not in self._saving:
-                await self._upload(version.key, time.monotonic())
+                committed = time.time() if version.mtime is None else version.mtime
+                await self._upload(version.key, committed)
         if local:
             await self._retain(newest=local[-1].step)
 
