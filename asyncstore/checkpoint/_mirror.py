@@ -1,5 +1,6 @@
-"""Copying a checkpoint version to a mirror store: streamed in bounded memory, hashed on
-the way, then read back from the mirror and compared before it counts as mirrored. A
+"""Copying a checkpoint version to a mirror store: streamed in bounded memory, and checked
+before it counts as mirrored: against the MD5 the server reports (S3 ETags), or else read
+back and compared. A
 differential version's packs go first (those the mirror lacks), the version last: the
 mirror never holds a version whose packs are not all there."""
 
@@ -8,7 +9,7 @@ from __future__ import annotations
 import xxhash
 
 from ..errors import IntegrityError, NotFound
-from ..stores import Store
+from ..stores import CheckedUploads, Store
 
 __all__ = ["COPY_CHUNK_BYTES", "copy_version", "copy_object"]
 
@@ -45,8 +46,10 @@ async def copy_object(source: Store, target: Store, key: str) -> int:
     """Copy the object ``key`` from ``source`` to ``target`` and check the copy; return its
     size.
 
-    The target's writer makes the copy appear whole or not at all. The copy is then read
-    back and its xxh3 compared with the bytes sent.
+    The target's writer makes the copy appear whole or not at all. Where the target can
+    tell (an S3 ETag that is an MD5 of the parts, see :class:`CheckedUploads`), the MD5 of
+    what was sent is compared with it; otherwise the copy is read back and its xxh3
+    compared with the bytes sent.
 
     Raises:
         NotFound: ``key`` is no longer in ``source`` (deleted meanwhile).
@@ -55,14 +58,25 @@ async def copy_object(source: Store, target: Store, key: str) -> int:
     """
     sent = xxhash.xxh3_64()
     size = 0
-    async with (
-        source.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader,
-        target.open_writer(key) as writer,
-    ):
+    writer = target.open_writer(key)
+    checked = writer if isinstance(writer, CheckedUploads) else None
+    if checked is not None:
+        checked.track_md5()
+    async with source.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader, writer:
         async for chunk in reader:
             sent.update(chunk)
             size += len(chunk)
             await writer.write(chunk)
+    if checked is not None:
+        matches = checked.md5_matches
+        if matches:
+            return size  # the server stored exactly the bytes sent
+        if matches is False:
+            await target.delete(key)
+            raise IntegrityError(
+                f"{target.url}/{key}: the mirror's ETag is not the MD5 of the bytes sent "
+                f"from {source.url}/{key}; it was deleted and is uploaded again"
+            )
     back = xxhash.xxh3_64()
     read = 0
     async with target.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader:

@@ -4,7 +4,7 @@
 """
 
 from ._base import DEFAULT_CHUNK_BYTES, ObjectInfo, Reader, Store, Writer
-from ._capabilities import CleansUpWrites, LocalFiles, PinnedReads
+from ._capabilities import CheckedUploads, CleansUpWrites, LocalFiles, PinnedReads
 from ._open import open_store
 from .local import LocalConfig, LocalStore
 from .memory import MemoryStore, drop_memory_store
@@ -16,6 +16,7 @@ __all__ = [
     "ObjectInfo",
     "Reader",
     "Writer",
+    "CheckedUploads",
     "CleansUpWrites",
     "LocalFiles",
     "PinnedReads",

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 from ._base import Writer
 
-__all__ = ["CleansUpWrites", "LocalFiles", "PinnedReads"]
+__all__ = ["CleansUpWrites", "CheckedUploads", "LocalFiles", "PinnedReads"]
 
 
 @runtime_checkable
@@ -77,4 +77,21 @@ class PinnedReads(Protocol):
         Raises:
             StoreError: the object was replaced since (its ETag changed).
         """
+        ...
+
+
+@runtime_checkable
+class CheckedUploads(Protocol):
+    """A writer that can check what the server stored against what it sent, without reading
+    it back (S3 writers: the MD5 of each part against the ETag the server returns)."""
+
+    def track_md5(self) -> None:
+        """Compute the MD5 of every part sent (on worker threads); call before writing."""
+        ...
+
+    @property
+    def md5_matches(self) -> bool | None:
+        """After the commit: whether the object's ETag is the MD5 of what was sent; ``None``
+        when the ETag is not an MD5 (server-side encryption with KMS, some servers) or
+        :meth:`track_md5` was not called."""
         ...

@@ -9,15 +9,17 @@ larger one becomes a multipart upload whose parts go out in background tasks, at
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
-from .._concurrency import TaskSet, forget_errors, wait_shared
+from .._concurrency import TaskSet, forget_errors, to_thread, wait_shared
 from ..errors import NotFound, StoreError
 from ._base import BaseWriter, ObjectInfo
 from ._s3responses import error_code, object_info
@@ -30,6 +32,13 @@ _logger = logging.getLogger("asyncstore.s3")
 
 _MAX_PARTS = 10_000
 _SMALL_BODY = 1 << 20  # bodies up to this size go to aiohttp as bytes (see payload)
+# An ETag that is an MD5: of the object (single PUT), or of its parts' MD5s, "-" and their
+# count (multipart). Server-side encryption with KMS, and some servers, give others.
+_MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})(-\d+)?"?$')
+
+
+def _md5(data: bytes | memoryview) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
 
 
 def payload(data: bytes) -> bytes | io.BytesIO:
@@ -59,6 +68,26 @@ class S3Writer(BaseWriter):
         self._parts: list[asyncio.Task[dict[str, Any]]] = []  # in part order
         self._creating: asyncio.Future[str] | None = None
         self._next_part = 1
+        self._md5s: dict[int, bytes] | None = None  # by part number, when tracked
+        self._expected_etag: str | None = None
+
+    def track_md5(self) -> None:
+        """Compute the MD5 of every part sent, so that :attr:`md5_matches` can tell whether
+        the server stored exactly that (see :class:`~asyncstore.stores.CheckedUploads`)."""
+        if self._written or self._next_part > 1:
+            raise StoreError(f"{self._store.where(self._key)}: track_md5() after a write")
+        self._md5s = {}
+
+    @property
+    def md5_matches(self) -> bool | None:
+        """After the commit: whether the ETag is the MD5 of what was sent (``None``: cannot
+        tell, or not tracked)."""
+        if self._expected_etag is None or self.info is None or self.info.etag is None:
+            return None
+        match = _MD5_ETAG.match(self.info.etag.lower())
+        if match is None:
+            return None
+        return f"{match.group(1)}{match.group(2) or ''}" == self._expected_etag
 
     async def write_in_place(self, data: memoryview) -> None:
         """Write all of an in-memory object, each part a slice of ``data`` (no copy into the
@@ -133,6 +162,9 @@ class S3Writer(BaseWriter):
         return upload_id
 
     async def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
+        if self._md5s is not None:
+            self._md5s[number] = await to_thread(_md5, part)
+
         async def attempt(client: Any) -> dict[str, Any]:
             resp = await client.upload_part(
                 Bucket=self._store.bucket,
@@ -165,11 +197,19 @@ class S3Writer(BaseWriter):
     async def _commit(self) -> ObjectInfo:
         if self._upload_id is None:
             # Everything fit in one part: a single PUT, no multipart overhead.
-            return await self._store._put(self._key, memoryview(self._take_buffer()))
+            body = self._take_buffer()
+            if self._md5s is not None:
+                self._expected_etag = (await to_thread(_md5, body)).hex()
+            return await self._store._put(self._key, memoryview(body))
         if self._buffer.tell():
             await self._send(self._take_buffer())
         parts = [await task for task in self._parts]
         upload_id = self._upload_id
+        if self._md5s is not None:
+            digests = b"".join(self._md5s[part["PartNumber"]] for part in parts)
+            self._expected_etag = (
+                f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
+            )
 
         async def attempt(client: Any) -> dict[str, Any]:
             # Retried like every request: a retry after a lost answer completes the same

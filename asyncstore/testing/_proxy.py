@@ -128,6 +128,7 @@ class FaultProxy:
     resets: int
     rewritten: int
     cut: int
+    corrupted: int
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream_host = upstream_host
@@ -199,6 +200,25 @@ class FaultProxy:
             raise ValueError(f"invalid reset_next(n={n}, after_bytes={after_bytes})")
         with self._lock:
             self._reset_left, self._reset_after, self._reset_match = n, after_bytes, match
+
+    def corrupt_next(self, n: int, match: str | None = None) -> None:
+        """Flip one byte in the body of each of the next ``n`` requests that have one (a
+        ``Content-Length`` body, not a chunked one): the server stores what it received, as
+        after a fault on the wire or in a middlebox that no checksum of TCP's caught.
+        Replaces any pending count.
+
+        Args:
+            n: number of request bodies to damage.
+            match: only requests whose request line contains this text, e.g.
+                ``"partNumber=2"``; others pass untouched and do not count.
+
+        Raises:
+            ValueError: if ``n`` is negative.
+        """
+        if n < 0:
+            raise ValueError(f"invalid corrupt_next(n={n})")
+        with self._lock:
+            self._corrupt_left, self._corrupt_match = n, match
 
     def middlebox(
         self,
@@ -279,8 +299,9 @@ class FaultProxy:
             self._stall = self._refuse = False
             self._middlebox = self._cut = self._middlebox_match = None
             self._cut_left = 0
+            self._corrupt_left, self._corrupt_match = 0, None
             self.connections = self.requests = self.requests_forwarded = 0
-            self.failed = self.resets = self.rewritten = self.cut = 0
+            self.failed = self.resets = self.rewritten = self.cut = self.corrupted = 0
         self._in_loop(lambda: self._close_conns(lambda c: c.stalled))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -462,17 +483,34 @@ class FaultProxy:
             conn.relays.spawn(self._relay_responses(conn), name="FaultProxy relay", detached=True)
         up_writer = conn.upstream[1]
 
+        corrupt = False
+        with self._lock:
+            self.requests_forwarded += 1
+            if (
+                self._corrupt_left > 0
+                and not head.chunked
+                and head.content_length > 1
+                and (self._corrupt_match is None or self._corrupt_match in head.start_line)
+            ):
+                self._corrupt_left -= 1
+                self.corrupted += 1
+                corrupt = True
+
         async def write_up(data: bytes) -> None:
+            nonlocal corrupt
+            if corrupt and len(data) > 0:
+                damaged = bytearray(data)
+                damaged[len(damaged) // 2] ^= 0x01
+                data, corrupt = bytes(damaged), False
             up_writer.write(data)
             await up_writer.drain()
 
-        with self._lock:
-            self.requests_forwarded += 1
         # Registered before the head goes out, so the relay always finds it.
         method = head.start_line.split(" ", 1)[0].upper()
         conn.pending.append(_Pending(method, reset_after, rewrite))
         conn.body_done = False
-        await write_up(head.raw)
+        up_writer.write(head.raw)
+        await up_writer.drain()
         await copy_body(conn.reader, write_up, head)
         conn.body_done = True
 
