@@ -329,15 +329,18 @@ class Checkpointer(AsyncResource):
         pins: set[str] = set()
         try:
             if config.differential:
-                known, chain = await self._base()
-                if chain >= config.full_every or not known:
-                    known, chain = {}, 0  # a full save: a new chain starts
-                options["metadata"][CHAIN] = chain
                 pack = pack_name(key)
-                # Pinned before the pack exists, until the version naming it commits (or
-                # the save fails): a collection meanwhile leaves them alone.
-                pins = {ref.pack for ref in known.values()} | {pack}
-                self._packs.pin(self._store, pins)
+                # Under the collection lock: the packs found are pinned before a collection
+                # can decide on them (a version committing meanwhile may leave the base to
+                # retention). Pinned before the new pack exists, until the version naming
+                # them commits or the save fails.
+                async with self._packs.lock:
+                    known, chain = await self._base()
+                    if chain >= config.full_every or not known:
+                        known, chain = {}, 0  # a full save: a new chain starts
+                    pins = {ref.pack for ref in known.values()} | {pack}
+                    self._packs.pin(self._store, pins)
+                options["metadata"][CHAIN] = chain
                 handle = await save_packed(state, self._store, key, pack, known, **options)
             else:
                 handle = await _save(state, (self._store, key), **options)
