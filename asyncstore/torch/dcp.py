@@ -1,0 +1,293 @@
+"""A ``torch.distributed.checkpoint`` storage plugin over any asyncstore store.
+
+``dcp.save(state, storage_writer=StorageWriter(url))`` and
+``dcp.load(state, storage_reader=StorageReader(url))`` keep DCP's planning, resharding and
+collectives, and put the bytes through asyncstore's checkpoint engine: each rank writes its
+items as one checkpoint object (compressed where it pays, every chunk checksummed, staged
+in bounded memory, atomic), and the coordinator writes DCP's metadata last, so a checkpoint
+is complete or invisible. A load reads, from each rank's object, only the entries its plan
+asks for, and verifies every chunk it reads.
+
+Layout under ``url``: ``__<rank>_0.ckpt`` per rank that wrote items, and ``.metadata`` (DCP's
+``Metadata``, pickled, as DCP's own ``FileSystemWriter`` writes it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import io
+import os
+import pickle
+from typing import Any, Literal
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
+from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from .._config import DEFAULT_STAGING_BYTES
+from .._loop import run_sync
+from ..checkpoint import load as _load
+from ..checkpoint import save as _save
+from ..errors import IntegrityError, InvalidArgument, NotFound
+from ..stores import open_store
+
+__all__ = ["StorageReader", "StorageWriter"]
+
+_METADATA = ".metadata"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Where:
+    """Where one DCP item lies: the rank's object, and the entry in it."""
+
+    name: str
+    entry: str
+
+
+def _url(checkpoint_id: Any, what: str) -> str:
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str) or not checkpoint_id:
+        raise InvalidArgument(
+            f"{what}: checkpoint_id={checkpoint_id!r}: pass a directory URL or path, such as "
+            "'s3://bucket/run1/step-1000' or '/ckpt/step-1000'"
+        )
+    return checkpoint_id.rstrip("/")
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+async def _put(url: str, key: str, data: bytes, options: dict[str, Any]) -> None:
+    async with open_store(url, **options) as store:
+        await store.put(key, data)
+
+
+async def _get(url: str, key: str, options: dict[str, Any]) -> bytes:
+    async with open_store(url, **options) as store:
+        return await store.get(key)
+
+
+class StorageWriter(_StorageWriter):
+    """DCP's ``StorageWriter`` over asyncstore: ``dcp.save(state, storage_writer=
+    StorageWriter("s3://bucket/run1/step-1000", store_options={...}))``.
+
+    Args:
+        url: the checkpoint's directory (any store URL, or a local path); DCP's
+            ``checkpoint_id``, when given, takes its place.
+        store_options: options for :func:`asyncstore.open_store`.
+        compression, staging_bytes, priority: as for :func:`asyncstore.save`.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | None = None,
+        *,
+        store_options: dict[str, Any] | None = None,
+        compression: Literal["auto", "zstd"] | None = "auto",
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+        priority: Literal["low", "normal"] = "low",
+    ) -> None:
+        super().__init__()
+        self.url = None if url is None else _url(url, "StorageWriter")
+        if store_options is not None and not isinstance(store_options, dict):
+            raise InvalidArgument(f"store_options={store_options!r}: pass a dict or None")
+        self.store_options = dict(store_options or {})
+        self._save_options: dict[str, Any] = {
+            "compression": compression,
+            "staging_bytes": staging_bytes,
+            "priority": priority,
+            "store_options": self.store_options,
+        }
+        self.is_coordinator = False
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start a new checkpoint (at ``checkpoint_id``, when given)."""
+        if checkpoint_id is not None:
+            self.url = _url(checkpoint_id, "StorageWriter")
+        if self.url is None:
+            raise InvalidArgument("StorageWriter has no URL: pass one, or a checkpoint_id")
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Note whether this rank writes the metadata."""
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """This rank's plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Each rank's plan, told the name of the object it writes."""
+        return [
+            dataclasses.replace(plan, storage_data=f"__{i}_0.ckpt") for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Write this rank's items as one checkpoint object; the results name each entry."""
+        assert self.url is not None
+        name = plan.storage_data
+        if not isinstance(name, str):
+            raise InvalidArgument("StorageWriter.write_data: the plan was not prepared by it")
+        entries: dict[str, torch.Tensor] = {}
+        results = []
+        for i, item in enumerate(plan.items):
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                assert isinstance(data, io.BytesIO)
+                raw = bytearray(data.getbuffer())
+                tensor = (
+                    torch.frombuffer(raw, dtype=torch.uint8)
+                    if raw
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+            else:
+                assert isinstance(data, torch.Tensor)
+                tensor = data.detach()
+            entry = str(i)
+            entries[entry] = tensor
+            size = tensor.numel() * tensor.element_size()
+            results.append(WriteResult(item.index, size, _Where(name, entry)))
+        if entries:
+            run_sync(self._write(f"{self.url}/{name}", entries))
+        return _done(results)
+
+    async def _write(self, target: str, entries: dict[str, torch.Tensor]) -> None:
+        handle = await _save(entries, target, **self._save_options)
+        await handle
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write DCP's metadata (the coordinator, once every rank has written): the
+        checkpoint becomes visible."""
+        assert self.url is not None
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+        run_sync(_put(self.url, _METADATA, data, self.store_options))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` can name a checkpoint here (a URL or a path)."""
+        return isinstance(checkpoint_id, str | os.PathLike) and bool(os.fspath(checkpoint_id))
+
+
+class StorageReader(_StorageReader):
+    """DCP's ``StorageReader`` over asyncstore: ``dcp.load(state, storage_reader=
+    StorageReader("s3://bucket/run1/step-1000", store_options={...}))``.
+
+    Every chunk read is verified; a damaged one raises :class:`~asyncstore.IntegrityError`
+    naming the item's object and entry. Each rank reads only the entries its plan needs.
+
+    ``.metadata`` is unpickled as DCP's own ``FileSystemReader`` does: load checkpoints you
+    trust. The tensors' objects are read with ``weights_only=True``.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | None = None,
+        *,
+        store_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.url = None if url is None else _url(url, "StorageReader")
+        if store_options is not None and not isinstance(store_options, dict):
+            raise InvalidArgument(f"store_options={store_options!r}: pass a dict or None")
+        self.store_options = dict(store_options or {})
+        self.storage_data: dict[Any, _Where] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start reading a checkpoint (at ``checkpoint_id``, when given)."""
+        if checkpoint_id is not None:
+            self.url = _url(checkpoint_id, "StorageReader")
+        if self.url is None:
+            raise InvalidArgument("StorageReader has no URL: pass one, or a checkpoint_id")
+
+    def read_metadata(self) -> Metadata:
+        """DCP's metadata, written last by the save's coordinator.
+
+        Raises:
+            NotFound: there is no complete checkpoint at the URL.
+        """
+        assert self.url is not None
+        try:
+            data = run_sync(_get(self.url, _METADATA, self.store_options))
+        except NotFound:
+            raise NotFound(
+                f"{self.url} holds no complete DCP checkpoint (no {_METADATA}): the save did not "
+                "finish, or the URL is wrong"
+            ) from None
+        metadata = pickle.loads(data)
+        if not isinstance(metadata, Metadata):
+            raise IntegrityError(f"{self.url}/{_METADATA} is not DCP metadata")
+        return metadata
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        """Keep where every item lies."""
+        self.storage_data = dict(metadata.storage_data or {})
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """This rank's plan, unchanged."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Every rank's plan, unchanged."""
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items: from each object, only the entries they lie in."""
+        assert self.url is not None
+        wanted: dict[str, list[Any]] = {}
+        for item in plan.items:
+            where = self.storage_data.get(item.storage_index)
+            if not isinstance(where, _Where):
+                raise IntegrityError(
+                    f"{self.url}/{_METADATA} does not say where {item.storage_index} lies"
+                )
+            wanted.setdefault(where.name, []).append(item)
+        for name, items in wanted.items():
+            keys = sorted({self.storage_data[i.storage_index].entry for i in items})
+            loaded = run_sync(
+                _load(f"{self.url}/{name}", keys=keys, store_options=self.store_options)
+            )
+            for item in items:
+                value = loaded[self.storage_data[item.storage_index].entry]
+                if item.type == LoadItemType.BYTE_IO:
+                    raw = (
+                        ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
+                    )
+                    planner.load_bytes(item, io.BytesIO(raw))
+                    continue
+                source = value
+                for dim, (start, length) in enumerate(
+                    zip(item.storage_offsets, item.lengths, strict=True)
+                ):
+                    source = source.narrow(dim, start, length)
+                target = planner.resolve_tensor(item).detach()
+                if target.size() != source.size():
+                    raise IntegrityError(
+                        f"{self.url}/{name}: item {item.storage_index} has shape "
+                        f"{tuple(source.size())}, the plan wants {tuple(target.size())}"
+                    )
+                target.copy_(source)
+                planner.commit_tensor(item, target)
+        return _done(None)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` can name a checkpoint here (a URL or a path)."""
+        return isinstance(checkpoint_id, str | os.PathLike) and bool(os.fspath(checkpoint_id))
