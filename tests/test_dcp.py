@@ -131,6 +131,12 @@ assert torch.equal(back["rows"].full_tensor(), full["rows"])
 assert torch.equal(back["bias"].full_tensor(), full["bias"])
 assert back["step"] == 5
 dist.destroy_process_group()
+# Every check above has passed. Leave without the interpreter's teardown: one rank process
+# in about thirty of the suite's aborted there ("terminate called without an active
+# exception", a C++ thread destroyed while running), which 88 standalone runs did not
+# reproduce; whose thread it is remains to be found (see the issue's note).
+sys.stdout.flush()
+os._exit(0)
 """
 
 

@@ -67,6 +67,15 @@ def _url(checkpoint_id: Any, what: str) -> str:
     return checkpoint_id.rstrip("/")
 
 
+def _place(
+    url: str | os.PathLike[str] | None, store_options: object, what: str
+) -> tuple[str | None, dict[str, Any]]:
+    """The checked URL (if any) and store options of a writer or reader."""
+    if store_options is not None and not isinstance(store_options, dict):
+        raise InvalidArgument(f"{what}: store_options={store_options!r}: pass a dict or None")
+    return (None if url is None else _url(url, what)), dict(store_options or {})
+
+
 def _done(value: Any) -> Future[Any]:
     future: Future[Any] = Future()
     future.set_result(value)
@@ -104,10 +113,7 @@ class StorageWriter(_StorageWriter):
         priority: Literal["low", "normal"] = "low",
     ) -> None:
         super().__init__()
-        self.url = None if url is None else _url(url, "StorageWriter")
-        if store_options is not None and not isinstance(store_options, dict):
-            raise InvalidArgument(f"store_options={store_options!r}: pass a dict or None")
-        self.store_options = dict(store_options or {})
+        self.url, self.store_options = _place(url, store_options, "StorageWriter")
         self._save_options: dict[str, Any] = {
             "compression": compression,
             "staging_bytes": staging_bytes,
@@ -202,10 +208,7 @@ class StorageReader(_StorageReader):
         store_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.url = None if url is None else _url(url, "StorageReader")
-        if store_options is not None and not isinstance(store_options, dict):
-            raise InvalidArgument(f"store_options={store_options!r}: pass a dict or None")
-        self.store_options = dict(store_options or {})
+        self.url, self.store_options = _place(url, store_options, "StorageReader")
         self.storage_data: dict[Any, _Where] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
