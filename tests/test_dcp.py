@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,27 @@ def test_dcp_save_and_load_in_one_process(where: tuple[str, dict[str, Any]]) -> 
     target = trained(2)  # same shapes, other values
     state_dict_loader.load(target, storage_reader=StorageReader(url, store_options=options))
     assert_same(target, saved)
+
+
+def test_dcp_async_save_stages_and_writes_through_the_plugin(
+    where: tuple[str, dict[str, Any]],
+) -> None:
+    # DCP's async_save stages the state with its own copy, then writes through the plugin
+    # in the background: the tensors may change as soon as it returns.
+    url, options = where
+    weights = torch.randn(1000, 100)
+    live = weights.clone()
+    state = {"w": live, "step": 3}
+    future = state_dict_saver.async_save(
+        state, storage_writer=StorageWriter(url, store_options=options)
+    )
+    live.add_(1.0)  # the training step goes on
+    assert isinstance(future, Future)
+    future.result(timeout=120)
+    back: dict[str, Any] = {"w": torch.zeros(1000, 100), "step": 0}
+    state_dict_loader.load(back, storage_reader=StorageReader(url, store_options=options))
+    assert torch.equal(back["w"], weights)
+    assert back["step"] == 3
 
 
 def test_a_damaged_chunk_names_the_object_and_an_unfinished_save_is_not_found(
