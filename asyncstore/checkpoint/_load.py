@@ -8,8 +8,9 @@ asyncstore checkpoint is passed to ``torch.load``.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any, TypedDict
 
 import torch
@@ -78,15 +79,10 @@ async def verify(source: Any, *, store_options: dict[str, Any] | None = None) ->
             or it is not an asyncstore checkpoint.
         NotFound: there is nothing at ``source``.
     """
-    resolved = resolve(source, store_options, writing=False)
-    src = open_source(resolved)
-    reader: ChunkReader | None = None
-    try:
-        manifest = await manifest_of(src)
-        if manifest is None:
+    async with _reading(source, store_options) as (src, reader):
+        if reader is None:
             raise IntegrityError(f"{src.url} is not an asyncstore checkpoint")
-        reader = ChunkReader(src, manifest)
-        await reader.open_packs()
+        manifest = reader.manifest
         await reader.structure()
         batch: list[fmt.Storage] = []
         size = 0
@@ -99,6 +95,24 @@ async def verify(source: Any, *, store_options: dict[str, Any] | None = None) ->
         if batch:
             await reader.storages(batch)
         return manifest
+
+
+@contextlib.asynccontextmanager
+async def _reading(
+    source: Any, store_options: dict[str, Any] | None
+) -> AsyncIterator[tuple[Source, ChunkReader | None]]:
+    """The source, and a reader of its chunks (its packs opened), or ``None`` when it is
+    not an asyncstore checkpoint; everything closed on the way out, after every thread
+    reading through it is done."""
+    resolved = resolve(source, store_options, writing=False)
+    src = open_source(resolved)
+    reader: ChunkReader | None = None
+    try:
+        manifest = await manifest_of(src)
+        if manifest is not None:
+            reader = ChunkReader(src, manifest)
+            await reader.open_packs()
+        yield src, reader
     finally:
         if reader is not None:
             await shield(reader.aclose())
@@ -240,12 +254,8 @@ async def load(
                 f"into= takes a dict such as model.state_dict(), not {type(into).__name__}"
             )
         wanted = list(into)
-    resolved = resolve(source, store_options, writing=False)
-    src = open_source(resolved)
-    reader: ChunkReader | None = None
-    try:
-        manifest = await manifest_of(src)
-        if manifest is None:
+    async with _reading(source, store_options) as (src, reader):
+        if reader is None:
             size = await src.size()
             head = await src.read(0, min(size, len(fmt.MAGIC)))
             if head == fmt.MAGIC:
@@ -258,14 +268,7 @@ async def load(
                     f"{src.url} is neither an asyncstore checkpoint nor a torch.save file"
                 )
             return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
-        reader = ChunkReader(src, manifest)
-        await reader.open_packs()
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
-    finally:
-        if reader is not None:
-            await shield(reader.aclose())
-        await shield(src.aclose())  # after every thread reading through it is done
-        await resolved.aclose()
 
 
 async def _load(

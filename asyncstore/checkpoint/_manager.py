@@ -673,7 +673,7 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"strict={strict!r}: pass True or False")
         await self._ensure_open()
         options = {"map_location": map_location, "keys": keys, "into": into}
-        versions = await self.versions()
+        versions = await self._list()  # the listing only: each load reads its own manifest
         if step is not None:
             key = version_key(self._check_step(step))
             for version in versions:
