@@ -395,6 +395,11 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_conn"] = None  # never pickle a live client into a worker
+        if self._rank is None and dist.is_available() and dist.is_initialized():
+            # A spawned DataLoader worker (spawn, forkserver) starts without this process's
+            # group: it would read the whole dataset as rank 0 of 1. The copy keeps the
+            # shard the group gives here; a forked worker inherits the group itself.
+            state["_rank"], state["_world"] = dist.get_rank(), dist.get_world_size()
         return state
 
     def stats(self) -> DatasetStats | None:

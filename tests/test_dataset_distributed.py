@@ -1,0 +1,237 @@
+"""StreamingDataset under a real ``torch.distributed`` process group: two rank processes of a
+gloo group, each reading through a DataLoader with two workers, over several epochs and
+across a restart in the middle of one, from a local directory and from SeaweedFS.
+
+No rank, world size or environment variable names the shard to the dataset: it must take
+both from the initialised process group, in the rank process and in its DataLoader workers
+(forked, or spawned, as ``forkserver`` and macOS's default are).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import asyncstore
+from asyncstore.testing import SeaweedFS
+
+from .conftest import BUCKET, s3_options, unique
+
+WORLD = 2
+WORKERS = 2
+SEED = 11
+
+RANK_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+from asyncstore.torch import StreamingDataset
+
+cfg = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+# From here on only the process group knows the shard: neither this process nor its
+# DataLoader workers can read it from the environment.
+for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    os.environ.pop(name, None)
+batch = cfg["batch"]
+ds = StreamingDataset(
+    cfg["url"],
+    store_options=cfg["options"],
+    cache_dir=cfg["cache_dir"],  # shared by both ranks, as on one node
+    shuffle=True,
+    seed=cfg["seed"],
+    batch_size=batch,
+)
+loader = DataLoader(
+    ds,
+    batch_size=batch,
+    num_workers=cfg["workers"],
+    multiprocessing_context=cfg["context"],
+    persistent_workers=True,
+)
+out = {"rank": rank, "world": world, "len": len(ds), "batches": len(loader)}
+epochs, plans, batches = {}, {}, {}
+
+def read(epoch, stop=None):
+    ds.set_epoch(epoch)
+    keys, count = [], 0
+    for batch_of in loader:
+        keys += [data.decode() for data in batch_of]  # each object holds its own key
+        count += 1
+        if count == stop:
+            break
+    epochs[epoch], plans[epoch], batches[epoch] = keys, ds.plan(epoch), count
+
+if cfg["phase"] == "first":
+    read(0)
+    read(1)
+    read(2, stop=cfg["stop"])  # the job stops here, mid-epoch
+    out["state"] = ds.state_dict(consumed=cfg["stop"] * batch)
+else:
+    ds.load_state_dict(cfg["states"][rank])
+    read(2)  # a training loop sets the epoch it resumes: the position must hold
+    read(3)
+out.update(epochs=epochs, plans=plans, batches_read=batches)
+with open(os.path.join(cfg["out"], f"{cfg['phase']}-{rank}.json"), "w") as f:
+    json.dump(out, f)
+del loader  # stops the persistent workers
+dist.destroy_process_group()
+# Every check has run. Leave without the interpreter's teardown, as tests/test_dcp.py's
+# rank script does (a rank process there sometimes aborted in it).
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run RANK_SCRIPT in WORLD processes of a new gloo group; each rank's JSON report."""
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), json.dumps(cfg)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=90)
+            assert proc.returncode == 0, out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    reports = []
+    for rank in range(WORLD):
+        report = json.loads((Path(cfg["out"]) / f"{cfg['phase']}-{rank}.json").read_text())
+        assert (report["rank"], report["world"]) == (rank, WORLD)
+        reports.append(report)
+    return reports
+
+
+def check_epoch(streams: list[list[str]], everything: list[str]) -> None:
+    """Each rank's stream of one epoch: equal lengths, and every sample once across them.
+
+    When the count is not a multiple of the world size, the shorter ranks are padded with
+    the first samples of the epoch's order, which are the first ranks' first samples.
+    """
+    per_rank = -(-len(everything) // WORLD)
+    assert [len(stream) for stream in streams] == [per_rank] * WORLD
+    pad = per_rank * WORLD - len(everything)
+    expected = collections.Counter(everything) + collections.Counter(
+        streams[rank][0] for rank in range(pad)
+    )
+    assert collections.Counter(key for stream in streams for key in stream) == expected
+
+
+def check_run(
+    cfg: dict[str, Any], everything: list[str], stop: int, *, restart: bool = True
+) -> None:
+    batch = cfg["batch"]
+    per_rank = -(-len(everything) // WORLD)
+    first = run_ranks({**cfg, "phase": "first", "stop": stop})
+    for report in first:
+        assert report["len"] == per_rank  # len(ds): equal on every rank, as DDP needs
+        assert report["batches"] == -(-per_rank // batch)  # len(loader)
+        for epoch in ("0", "1"):
+            assert report["batches_read"][epoch] == report["batches"]
+            assert report["epochs"][epoch] == report["plans"][epoch]  # the plan's order
+        assert report["state"]["consumed"] == stop * batch
+    for epoch in ("0", "1"):
+        check_epoch([report["epochs"][epoch] for report in first], everything)
+    for report in first:
+        assert report["epochs"]["0"] != report["epochs"]["1"]  # shuffled anew each epoch
+    if not restart:
+        return
+    # The restart: new processes, a new process group, each rank's own saved state.
+    states = [report["state"] for report in first]
+    second = run_ranks({**cfg, "phase": "second", "states": states})
+    whole = []
+    for before, after in zip(first, second, strict=True):
+        read = before["epochs"]["2"] + after["epochs"]["2"]
+        assert len(before["epochs"]["2"]) == stop * batch
+        assert read == after["plans"]["2"]  # nothing repeated, nothing skipped, in order
+        whole.append(read)
+        assert after["epochs"]["3"] == after["plans"]["3"]
+        assert after["epochs"]["3"] != read  # the next epoch starts afresh, reshuffled
+    check_epoch(whole, everything)
+    check_epoch([report["epochs"]["3"] for report in second], everything)
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_two_ranks_read_every_sample_once_per_epoch_and_resume(
+    tmp_path: Path, context: str
+) -> None:
+    root = tmp_path / "data"
+    everything = [f"{i // 100}/{i:04d}.bin" for i in range(300)]
+    for key in everything:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(key.encode())
+    cfg = {
+        "url": str(root),
+        "options": {},
+        "cache_dir": str(tmp_path / "cache"),
+        "seed": SEED,
+        "batch": 8,
+        "workers": WORKERS,
+        "context": context,
+        "out": str(tmp_path),
+    }
+    # 150 samples per rank: 18 batches of 8 and one of 6; stop after 7, an odd number, so
+    # the resumed epoch starts on the other worker's turn. Spawned workers import torch
+    # anew (seconds each on a small machine): they read the epochs, and the restart is
+    # checked with forked ones.
+    check_run(cfg, everything, stop=7, restart=context == "fork")
+
+
+def test_two_ranks_over_seaweedfs_with_padding(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
+    url = f"s3://{BUCKET}/{unique('ddp')}"
+    options = s3_options(seaweedfs)
+    everything = [f"train/{i:04d}.bin" for i in range(61)]  # odd: one rank is padded
+
+    async def upload() -> None:
+        async with asyncstore.open_store(url, **options) as store:
+            for key in everything:
+                await store.put(key, key.encode())
+
+    anyio.run(upload)
+    cfg = {
+        "url": url,
+        "options": options,
+        "cache_dir": str(tmp_path / "cache"),
+        "seed": SEED,
+        "batch": 4,
+        "workers": WORKERS,
+        "context": "fork",
+        "out": str(tmp_path),
+    }
+    check_run(cfg, everything, stop=3)
