@@ -95,7 +95,7 @@ def test_a_damaged_chunk_names_the_object_and_an_unfinished_save_is_not_found(
 ) -> None:
     url = str(tmp_path / "ckpt")
     state_dict_saver.save(trained(1), storage_writer=StorageWriter(url, compression=None))
-    rank_file = tmp_path / "ckpt" / "__0_0.ckpt"
+    (rank_file,) = (tmp_path / "ckpt").glob("__0_*.ckpt")
     data = bytearray(rank_file.read_bytes())
     data[len(data) // 2] ^= 1
     rank_file.write_bytes(bytes(data))
@@ -104,7 +104,7 @@ def test_a_damaged_chunk_names_the_object_and_an_unfinished_save_is_not_found(
         state_dict_loader.load(trained(2), storage_reader=StorageReader(url))
     ((error, _),) = raised.value.failures.values()
     assert isinstance(error, IntegrityError)
-    assert "__0_0.ckpt" in str(error)
+    assert rank_file.name in str(error)
     assert "does not match its checksum" in str(error)
     # The metadata is written last: without it there is no checkpoint.
     (tmp_path / "ckpt" / ".metadata").unlink()
@@ -204,3 +204,424 @@ def test_two_ranks_save_a_sharded_state_and_one_process_loads_it_whole(
     assert torch.equal(back["rows"], full["rows"])
     assert torch.equal(back["bias"], full["bias"])
     assert back["step"] == 5
+
+
+# -- versions of a run, many ranks, a rank killed ---------------------------------------------
+
+VERSION_SCRIPT = """
+import json, os, signal, sys
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+import asyncstore
+import asyncstore.torch as at
+
+job = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (world,))
+
+def full(step, rows):
+    g = torch.Generator().manual_seed(step)
+    return {
+        "rows": torch.randn(rows, 16, generator=g),
+        "bias": torch.randn(16, generator=g),
+        "exp_avg": torch.randn(rows, 16, generator=g),
+    }
+
+def sharded(values, step):
+    return {
+        "model": {
+            "rows": distribute_tensor(values["rows"], mesh, [Shard(0)]),  # row-wise
+            "bias": distribute_tensor(values["bias"], mesh, [Replicate()]),
+        },
+        "optim": {
+            "state": {"rows": {
+                "exp_avg": distribute_tensor(values["exp_avg"], mesh, [Shard(0)]),
+                "step": torch.tensor(float(step)),
+            }},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["rows", "bias"]}],
+        },
+        "step": step,
+    }
+
+def check(loaded, step, rows):
+    want = full(step, rows)
+    assert torch.equal(loaded["model"]["rows"].full_tensor(), want["rows"]), step
+    assert torch.equal(loaded["model"]["bias"].full_tensor(), want["bias"]), step
+    got = loaded["optim"]["state"]["rows"]
+    assert torch.equal(got["exp_avg"].full_tensor(), want["exp_avg"]), step
+    assert got["step"].item() == float(step)
+    assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert loaded["step"] == step
+
+def load(ckpt, step, rows):
+    target = sharded({k: torch.zeros_like(v) for k, v in full(0, rows).items()}, 0)
+    state_dict_loader.load(target, storage_reader=ckpt.dcp_reader(step))
+    return target
+
+if job["mode"] == "die" and rank == 1:
+    # Killed in the middle of writing its shards, as a lost node would be.
+    from asyncstore.checkpoint import _target
+    real_write, calls = _target.StoreSink.write, []
+
+    async def write(self, data):
+        await real_write(self, data)
+        calls.append(len(data))
+        if len(calls) < 2:
+            return
+        if job["url"].startswith("s3://") and len(calls) < 12:
+            # On S3, once a part of the object is up (a multipart upload to clean up).
+            async with asyncstore.open_store(job["url"], **job["options"]) as store:
+                if not await store.abandoned_writes("step-000000002.dcp/__1_"):
+                    return
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    _target.StoreSink.write = write
+
+with at.Checkpointer(
+    job["url"], keep_last=2, chunk_bytes=1 << 20, store_options=job["options"]
+) as ckpt:
+    rows = job["rows"]
+    if job["mode"] in ("save", "die"):
+        for step in job["steps"]:
+            values = full(step, rows)
+            state = sharded({k: v.clone() for k, v in values.items()}, step)
+            writer = ckpt.dcp_writer(step)
+            if step in job.get("async", ()):
+                future = state_dict_saver.async_save(state, storage_writer=writer)
+                for tensor in (state["model"]["rows"], state["optim"]["state"]["rows"]["exp_avg"]):
+                    tensor.to_local().add_(1.0)  # the next training step goes on at once
+                future.result(timeout=120)
+            else:
+                state_dict_saver.save(state, storage_writer=writer)
+    elif job["mode"] == "load":
+        for step in job["steps"]:
+            loaded = load(ckpt, step, rows)
+            check(loaded, loaded["step"], rows)
+            if step is None:
+                assert loaded["step"] == job["newest"], loaded["step"]
+    elif job["mode"] == "recover":
+        loaded = load(ckpt, None, rows)
+        assert loaded["step"] == job["newest"], loaded["step"]
+        check(loaded, loaded["step"], rows)
+        state_dict_saver.save(sharded(full(3, rows), 3), storage_writer=ckpt.dcp_writer(3))
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)  # as in RANK_SCRIPT
+"""
+
+
+def spawn(world: int, job: dict[str, Any]) -> list[subprocess.Popen[str]]:
+    import json
+
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(VERSION_SCRIPT), json.dumps(job)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return procs
+
+
+def run_ranks(world: int, job: dict[str, Any]) -> None:
+    procs = spawn(world, job)
+    outputs = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=240)
+        outputs.append(out)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, f"rank {rank} of {world}:\n{outputs[rank]}"
+
+
+def full_values(step: int, rows: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "rows": torch.randn(rows, 16, generator=g),
+        "bias": torch.randn(16, generator=g),
+        "exp_avg": torch.randn(rows, 16, generator=g),
+    }
+
+
+def load_whole(ckpt: Any, step: int | None, rows: int) -> dict[str, Any]:
+    """The version loaded in this one process, as plain tensors (another world size)."""
+    target: dict[str, Any] = {
+        "model": {"rows": torch.zeros(rows, 16), "bias": torch.zeros(16)},
+        "optim": {
+            "state": {"rows": {"exp_avg": torch.zeros(rows, 16), "step": torch.tensor(0.0)}},
+            "param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "params": []}],
+        },
+        "step": 0,
+    }
+    state_dict_loader.load(target, storage_reader=ckpt.dcp_reader(step))
+    return target
+
+
+def assert_whole(loaded: dict[str, Any], step: int, rows: int) -> None:
+    want = full_values(step, rows)
+    assert loaded["step"] == step
+    assert torch.equal(loaded["model"]["rows"], want["rows"])
+    assert torch.equal(loaded["model"]["bias"], want["bias"])
+    assert torch.equal(loaded["optim"]["state"]["rows"]["exp_avg"], want["exp_avg"])
+    assert loaded["optim"]["state"]["rows"]["step"].item() == float(step)
+
+
+def test_four_ranks_save_versions_that_two_ranks_and_one_process_load(
+    where: tuple[str, dict[str, Any]],
+) -> None:
+    from asyncstore.torch import Checkpointer
+
+    url, options = where
+    rows = 64
+    # Step 1 with dcp.save, step 2 with dcp.async_save (the tensors change as it returns).
+    job = {"url": url, "options": options, "rows": rows}
+    run_ranks(4, {**job, "mode": "save", "steps": [1, 2], "async": [2]})
+    # Two ranks: the newest version (agreed by rank 0), then step 1 by name.
+    run_ranks(2, {**job, "mode": "load", "steps": [None, 1], "newest": 2})
+    with Checkpointer(url, store_options=options) as ckpt:
+        versions = ckpt.versions()
+        assert [(v.step, v.kind) for v in versions] == [(1, "dcp"), (2, "dcp")]
+        assert_whole(load_whole(ckpt, None, rows), 2, rows)
+        assert ckpt.verify(2).ok
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_version_and_the_next_save_cleans_up(
+    where: tuple[str, dict[str, Any]],
+) -> None:
+    from asyncstore.stores import CleansUpWrites, open_store
+    from asyncstore.torch import Checkpointer
+
+    url, options = where
+    rows = 1 << 17  # 8 MiB of rows, 8 of optimizer state: a rank's object takes many writes
+    run_ranks(2, {"mode": "save", "url": url, "options": options, "rows": rows, "steps": [1]})
+    procs = spawn(2, {"mode": "die", "url": url, "options": options, "rows": rows, "steps": [2]})
+    procs[1].communicate(timeout=240)
+    assert procs[1].returncode == -9  # SIGKILL, in the middle of its write
+    try:
+        procs[0].communicate(timeout=30)  # its collective fails, or it waits for rank 1
+    except subprocess.TimeoutExpired:
+        procs[0].kill()  # as torchrun does to the rest of a group that lost a rank
+        procs[0].communicate()
+    assert procs[0].returncode != 0
+
+    async def leftovers() -> list[str]:
+        async with open_store(url, **options) as store:
+            found = [info.key async for info in store.list("step-000000002.dcp/")]
+            assert isinstance(store, CleansUpWrites)
+            return found + await store.abandoned_writes("step-000000002.dcp/")
+
+    from asyncstore._loop import run_sync
+
+    left = run_sync(leftovers())
+    assert not any(key.endswith(".metadata") for key in left)  # never became a version
+    # Rank 1's unfinished write: a temporary file, or on S3 a multipart upload.
+    assert any(key.startswith("step-000000002.dcp/__1_") for key in left), left
+    with Checkpointer(url, store_options=options) as ckpt:
+        assert [v.step for v in ckpt.versions()] == [1]
+    # A new group loads the newest version, step 1, and saves step 3: what the killed save
+    # left goes.
+    run_ranks(2, {"mode": "recover", "url": url, "options": options, "rows": rows, "newest": 1})
+    assert run_sync(leftovers()) == []
+    with Checkpointer(url, store_options=options) as ckpt:
+        assert [(v.step, v.kind) for v in ckpt.versions()] == [(1, "dcp"), (3, "dcp")]
+
+
+# -- versions in one process: retention, replacing, damage, hostile metadata -------------------
+
+
+def small(step: int) -> dict[str, Any]:
+    return {"w": torch.full((3, 5), float(step)), "b": torch.arange(4) + step, "step": step}
+
+
+def load_small(ckpt: Any, step: int | None = None) -> dict[str, Any]:
+    target: dict[str, Any] = {"w": torch.zeros(3, 5), "b": torch.zeros(4, dtype=torch.long)}
+    target["step"] = 0
+    state_dict_loader.load(target, storage_reader=ckpt.dcp_reader(step))
+    return target
+
+
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def test_distributed_versions_are_listed_retained_verified_and_deleted(
+    where: tuple[str, dict[str, Any]],
+) -> None:
+    from asyncstore import NotFound
+    from asyncstore.torch import Checkpointer
+
+    url, options = where
+    with Checkpointer(url, keep_last=2, store_options=options) as ckpt:
+        with pytest.raises(NotFound, match="no distributed version"):
+            ckpt.dcp_reader()
+        for step in (1, 2, 3):
+            state_dict_saver.save(small(step), storage_writer=ckpt.dcp_writer(step))
+    with Checkpointer(url, keep_last=2, store_options=options) as ckpt:
+        versions = ckpt.versions()
+        assert [(v.step, v.kind, v.key) for v in versions] == [
+            (2, "dcp", "step-000000002.dcp/"),
+            (3, "dcp", "step-000000003.dcp/"),
+        ]
+        assert all(v.state == "committed" and v.size > 0 for v in versions)
+        assert load_small(ckpt)["step"] == 3
+        back = load_small(ckpt, 2)
+        assert torch.equal(back["w"], small(2)["w"])
+        assert torch.equal(back["b"], small(2)["b"])
+        with pytest.raises(NotFound, match="of step 1"):
+            ckpt.dcp_reader(1)  # retention took it
+        with pytest.raises(InvalidArgument, match=r"dcp_reader\(3\)"):
+            ckpt.load()
+        assert ckpt.verify(3).ok
+        ckpt.delete(3)
+        assert [v.step for v in ckpt.versions()] == [2]
+        assert ckpt.stats().deleted == 0  # this one only deleted by hand
+    if "://" not in url:
+        names = files(Path(url))
+        assert names[0] == "step-000000002.dcp/.metadata"
+        assert len(names) == 2
+        assert names[1].startswith("step-000000002.dcp/__0_")
+
+
+def test_saving_a_step_again_keeps_the_old_version_whole_until_the_new_one_commits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncstore.torch import Checkpointer
+    from asyncstore.torch import dcp as plugin
+
+    run = tmp_path / "run"
+    with Checkpointer(run) as ckpt:
+        state_dict_saver.save(small(5), storage_writer=ckpt.dcp_writer(5))
+    before = files(run)
+
+    async def crash(*args: Any) -> None:
+        raise OSError("the coordinator died before its .metadata")
+
+    # The second save writes its rank objects, then fails before the commit.
+    with monkeypatch.context() as patched:
+        patched.setattr(plugin, "_commit", crash)
+        with Checkpointer(run) as ckpt, pytest.raises(CheckpointException):
+            state_dict_saver.save(small(50), storage_writer=ckpt.dcp_writer(5))
+    assert len(files(run)) == len(before) + 1  # its rank object: never named by .metadata
+    with Checkpointer(run) as ckpt:
+        assert load_small(ckpt, 5)["step"] == 5  # the old version, whole
+        assert ckpt.gc() == 1  # the failed save's object
+        assert files(run) == before
+        state_dict_saver.save(small(51), storage_writer=ckpt.dcp_writer(5))
+        after = files(run)
+        assert len(after) == 2
+        assert after != before
+        assert load_small(ckpt, 5)["step"] == 51
+
+
+def test_a_distributed_save_replaces_a_single_object_version_and_cleans_up_unfinished_ones(
+    tmp_path: Path,
+) -> None:
+    from asyncstore.torch import Checkpointer
+
+    run = tmp_path / "run"
+    # What a killed distributed save of step 4 left, and a file of the user's beside it.
+    unfinished = run / "step-000000004.dcp"
+    unfinished.mkdir(parents=True)
+    (unfinished / "__1_0123456789abcdef.ckpt").write_bytes(b"half a shard")
+    (unfinished / "notes.txt").write_text("mine")
+    with Checkpointer(run, keep_last=5) as ckpt:
+        ckpt.save(small(7), 7).result()
+        assert [(v.step, v.kind) for v in ckpt.versions()] == [(7, "checkpoint")]
+        state_dict_saver.save(small(7), storage_writer=ckpt.dcp_writer(7))
+    with Checkpointer(run) as ckpt:
+        assert [(v.step, v.kind) for v in ckpt.versions()] == [(7, "dcp")]
+    assert not (run / "step-000000007.ckpt").exists()
+    assert files(unfinished) == ["notes.txt"]  # only what a save writes is removed
+
+
+def test_damaged_or_hostile_metadata_is_refused(tmp_path: Path) -> None:
+    import pickle
+    import struct
+
+    import xxhash
+
+    from asyncstore.torch import Checkpointer
+
+    run = tmp_path / "run"
+    with Checkpointer(run) as ckpt:
+        state_dict_saver.save(small(1), storage_writer=ckpt.dcp_writer(1))
+        state_dict_saver.save(small(2), storage_writer=ckpt.dcp_writer(2))
+    metadata = run / "step-000000002.dcp" / ".metadata"
+    data = bytearray(metadata.read_bytes())
+    data[-3] ^= 0x40
+    metadata.write_bytes(bytes(data))
+    with Checkpointer(run) as ckpt:
+        report = ckpt.verify(2)
+        assert not report.ok
+        assert report.error is not None
+        assert "does not match its checksum" in report.error
+        assert [v.state for v in ckpt.versions()] == ["committed", "damaged"]
+        with pytest.raises(CheckpointException) as raised:
+            load_small(ckpt, 2)
+        ((error, _),) = raised.value.failures.values()
+        # DCP reads .metadata on the coordinator and re-raises its error as its own.
+        assert "does not match its checksum" in str(error)
+
+    # A crafted .metadata with a valid checksum whose pickle would run a command.
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    body = pickle.dumps(Payload())
+    metadata.write_bytes(struct.pack("<8sQ", b"ASYNCDCP", xxhash.xxh3_64_intdigest(body)) + body)
+    with Checkpointer(run) as ckpt, pytest.raises(CheckpointException) as raised:
+        load_small(ckpt, 2)
+    ((error, _),) = raised.value.failures.values()
+    assert "names posix.system" in str(error)
+    assert "refusing to build it" in str(error)
+    assert not marker.exists()
+
+
+def test_a_damaged_rank_object_fails_verify_and_the_writer_refuses_bad_options(
+    tmp_path: Path,
+) -> None:
+    from asyncstore.torch import Checkpointer
+
+    run = tmp_path / "run"
+    with Checkpointer(run, compression=None) as ckpt:
+        state_dict_saver.save(small(1), storage_writer=ckpt.dcp_writer(1))
+        (rank_object,) = (run / "step-000000001.dcp").glob("__0_*.ckpt")
+        data = bytearray(rank_object.read_bytes())
+        data[len(data) // 3] ^= 1
+        rank_object.write_bytes(bytes(data))
+        report = ckpt.verify(1)
+        assert not report.ok
+        assert report.error is not None
+        assert rank_object.name in report.error
+        rank_object.unlink()
+        with pytest.raises(IntegrityError, match="lost a rank's shards"):
+            ckpt.verify(1, raise_on_error=True)
+        with pytest.raises(InvalidArgument, match="step="):
+            ckpt.dcp_writer(-1)
+        with pytest.raises(InvalidArgument, match="checkpoint_id="):
+            state_dict_saver.save(
+                small(2), storage_writer=ckpt.dcp_writer(2), checkpoint_id=str(tmp_path / "x")
+            )
+    with (
+        Checkpointer(run, mirror=tmp_path / "mirror") as ckpt,
+        pytest.raises(InvalidArgument, match="mirror"),
+    ):
+        ckpt.dcp_writer(3)
+    with pytest.raises(InvalidArgument, match="compression"):
+        StorageWriter(str(tmp_path / "y"), compression="lz4")  # type: ignore[arg-type]

@@ -9,6 +9,11 @@ and no index can disagree with it.
 Differential versions (the default) keep their chunks in packs under ``packs/``: each save
 writes the chunks no earlier version holds into a new pack, and points into the older packs
 for the rest (see :mod:`._packs` for when a pack goes).
+
+A distributed version (saved by ``torch.distributed.checkpoint`` through
+``asyncstore.torch.dcp``, every rank writing its shards) is a directory,
+``step-000001000.dcp/``, laid out as :mod:`._distributed` says: it counts once its
+``.metadata`` is there, and retention and ``delete`` remove it whole, ``.metadata`` first.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from .._concurrency import TaskSet
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
-from ..stores import CleansUpWrites, Store, open_store
+from ..stores import CleansUpWrites, ObjectInfo, Store, open_store
+from . import _distributed as dist_layout
 from ._codec import Known
 from ._format import PACK_NAME
 from ._handle import SaveHandle
@@ -53,12 +59,20 @@ waits for the next checkpointer on the run (a mirror down for a minute costs war
 # one more for each differential save that builds on it.
 CHAIN = "chain"
 
+DCP_SUFFIX = ".dcp/"
+
 _NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(SUFFIX)}$")
+_DCP_NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(DCP_SUFFIX)}(.+)$")
 
 
 def version_key(step: int) -> str:
     """The key of the version of ``step``: ``step-000001000.ckpt``."""
     return f"{PREFIX}{step:0{DIGITS}d}{SUFFIX}"
+
+
+def dcp_prefix(step: int) -> str:
+    """The directory of the distributed version of ``step``: ``step-000001000.dcp/``."""
+    return f"{PREFIX}{step:0{DIGITS}d}{DCP_SUFFIX}"
 
 
 class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -100,18 +114,24 @@ class Version(msgspec.Struct, frozen=True):
 
     Attributes:
         step: the training step it was saved at.
-        key: its key in the store (``step-000001000.ckpt``).
+        key: its key in the store (``step-000001000.ckpt``; for a distributed version, its
+            directory ``step-000001000.dcp/``).
         size: the bytes of that object (for a differential version, only its structure
-            and manifest: its chunks lie in packs).
+            and manifest: its chunks lie in packs; for a distributed version, of every
+            object in its directory).
         mtime: when it was committed (Unix seconds, from the store; ``None`` if unknown).
         where: which store holds it: ``"local"`` (the checkpointer's own URL),
             ``"mirror"``, or ``"both"``.
         state: ``"committed"``; ``"uploading"`` while a mirror lacks a local version;
             ``"damaged"`` when its manifest does not verify, or when a load or
             :meth:`~Checkpointer.verify` of this checkpointer found it damaged.
-        raw_bytes: the tensors' bytes plus the pickled structure (0 when damaged).
+        raw_bytes: the tensors' bytes plus the pickled structure (0 when damaged, and for
+            a distributed version, whose ranks' manifests are not read for a listing).
         stored_bytes: what its save wrote, the chunks earlier versions held left out
             (0 when damaged).
+        kind: ``"checkpoint"``, one object written by :meth:`Checkpointer.save`; or
+            ``"dcp"``, a distributed version written by ``torch.distributed.checkpoint``
+            through :meth:`asyncstore.torch.Checkpointer.dcp_writer`.
     """
 
     step: int
@@ -122,6 +142,7 @@ class Version(msgspec.Struct, frozen=True):
     state: Literal["committed", "uploading", "damaged"] = "committed"
     raw_bytes: int = 0
     stored_bytes: int = 0
+    kind: Literal["checkpoint", "dcp"] = "checkpoint"
 
 
 class CheckpointerStats(msgspec.Struct):
@@ -252,7 +273,8 @@ class Checkpointer(AsyncResource):
                 f"staging_bytes={staging_bytes} is smaller than chunk_bytes={chunk_bytes}: "
                 "the staging pool must hold at least one chunk"
             )
-        self._store: Store = open_store(os.fspath(url), **(store_options or {}))
+        self._store_options = dict(store_options or {})
+        self._store: Store = open_store(os.fspath(url), **self._store_options)
         self._mirror: Store | None = (
             None if mirror is None else open_store(os.fspath(mirror), **(mirror_options or {}))
         )
@@ -359,6 +381,8 @@ class Checkpointer(AsyncResource):
         # it. Only the newest: its chunks are the state as last saved, and packs that
         # older chains point into can go once those versions do.
         for version in reversed(await self._list_store(self._store)):
+            if version.kind == "dcp":
+                continue  # saved by every rank, not by this checkpointer: nothing to build on
             try:
                 manifest = await self._packs.manifest(
                     self._store, version.key, version.size, version.mtime
@@ -409,36 +433,52 @@ class Checkpointer(AsyncResource):
         mirrored: dict[int, int] | None = None
         if self._mirror is not None:
             try:
-                mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
-                await self._retain_in(self._mirror, list(mirrored), newest, None)
+                there = await self._list_store(self._mirror)
+                mirrored = {v.step: v.size for v in there}
+                await self._retain_in(self._mirror, there, newest, None)
             except (AsyncStoreError, OSError) as exc:
                 # Unknown: every local version counts as not uploaded, and stays.
                 logger.warning("retention on the mirror %s failed (%s)", self._mirror.url, exc)
                 mirrored = mirrored or {}
-        local = [v.step for v in await self._list_store(self._store)]
+        local = await self._list_store(self._store)
         await self._retain_in(self._store, local, newest, mirrored)
 
     async def _collect(self, store: Store) -> int:
         # The packs no version there points into any more (nor a save or upload in flight).
         async with self._packs.lock:
-            versions = [(v.key, v.size, v.mtime) for v in await self._list_store(store)]
+            versions = [
+                (v.key, v.size, v.mtime)
+                for v in await self._list_store(store)
+                if v.kind == "checkpoint"
+            ]
             return await self._packs.collect(store, versions)
 
     async def _retain_in(
-        self, store: Store, steps: list[int], newest: int, mirrored: dict[int, int] | None
+        self,
+        store: Store,
+        versions: list[Version],
+        newest: int,
+        mirrored: dict[int, int] | None,
     ) -> None:
-        candidates = sorted(step for step in steps if step <= newest)
-        kept = set(candidates[-self._config.keep_last :])
+        candidates = sorted((v for v in versions if v.step <= newest), key=lambda v: v.step)
+        kept = {v.step for v in candidates[-self._config.keep_last :]}
         every = self._config.keep_every
-        for step in candidates:
+        for version in candidates:
+            step = version.step
             if step in kept or (every is not None and step % every == 0):
                 continue
-            if mirrored is not None and step not in mirrored:
+            if mirrored is not None and step not in mirrored and version.kind == "checkpoint":
                 continue  # the only copy until its upload commits
-            await store.delete(version_key(step))
-            self._packs.forget(store, version_key(step))
+            await self._delete_step(store, step)
             self._stats.deleted += 1
         await self._collect(store)
+
+    async def _delete_step(self, store: Store, step: int) -> None:
+        # Whichever way the step was saved (both, if it was saved again the other way).
+        key = version_key(step)
+        await store.delete(key)
+        self._packs.forget(store, key)
+        await dist_layout.remove_checkpoint(store, dcp_prefix(step))
 
     # -- the mirror ----------------------------------------------------------------------------
 
@@ -514,7 +554,7 @@ class Checkpointer(AsyncResource):
             )
             return
         local = await self._list_store(self._store)
-        missing = [v for v in local if mirrored.get(v.step) != v.size]
+        missing = [v for v in local if v.kind == "checkpoint" and mirrored.get(v.step) != v.size]
         for version in reversed(missing):  # the newest first: it matters most
             if version.key not in self._saving:
                 committed = time.time() if version.mtime is None else version.mtime
@@ -533,6 +573,13 @@ class Checkpointer(AsyncResource):
         for version in await self._list():
             store = self._copies(version)[0]
             state = version.state
+            if version.kind == "dcp":
+                if (store.url, version.key) in self._damaged:
+                    state = "damaged"
+                described.append(
+                    msgspec.structs.replace(version, state=state, stored_bytes=version.size)
+                )
+                continue
             try:
                 manifest = await self._packs.manifest(
                     store, version.key, version.size, version.mtime
@@ -559,7 +606,10 @@ class Checkpointer(AsyncResource):
         if self._mirror is None:
             return list(local.values())
         # Local only: the upload has not committed yet.
-        merged = {step: msgspec.structs.replace(v, state="uploading") for step, v in local.items()}
+        merged = {
+            step: v if v.kind == "dcp" else msgspec.structs.replace(v, state="uploading")
+            for step, v in local.items()
+        }
         try:
             mirrored = await self._list_store(self._mirror)
         except (AsyncStoreError, OSError) as exc:
@@ -579,14 +629,34 @@ class Checkpointer(AsyncResource):
         return [merged[step] for step in sorted(merged)]
 
     async def _list_store(self, store: Store) -> list[Version]:
-        found: list[Version] = []
+        return (await self._scan(store))[0]
+
+    async def _scan(self, store: Store) -> tuple[list[Version], list[int]]:
+        # The versions there, oldest first; and the steps of distributed saves with no
+        # .metadata (not complete: in flight, or killed).
+        found: dict[int, Version] = {}
+        directories: dict[int, list[ObjectInfo]] = {}
         async for info in store.list(PREFIX):
             match = _NAME.match(info.key)
-            if match is None:
-                continue  # not a version: another file in the same place
-            found.append(Version(int(match.group(1)), info.key, info.size, info.mtime))
-        found.sort(key=lambda v: v.step)
-        return found
+            if match is not None:
+                step = int(match.group(1))
+                found[step] = Version(step, info.key, info.size, info.mtime)
+            elif (match := _DCP_NAME.match(info.key)) is not None:
+                directories.setdefault(int(match.group(1)), []).append(info)
+            # else not a version: another file in the same place
+        unfinished = []
+        for step, infos in directories.items():
+            key = dcp_prefix(step)
+            marker = next((i for i in infos if i.key == key + dist_layout.METADATA), None)
+            if marker is None:
+                unfinished.append(step)
+                continue
+            size = sum(i.size for i in infos)
+            other = found.get(step)
+            # A step saved both ways: the newer save is the version.
+            if other is None or (other.mtime or 0.0) <= (marker.mtime or 0.0):
+                found[step] = Version(step, key, size, marker.mtime, kind="dcp")
+        return [found[step] for step in sorted(found)], sorted(unfinished)
 
     async def latest(self) -> Version | None:
         """The newest committed version (not verified), or ``None`` when there is none."""
@@ -604,13 +674,10 @@ class Checkpointer(AsyncResource):
         stores = [self._store] if self._mirror is None else [self._store, self._mirror]
         found = False
         for store in stores:
-            try:
-                await store.stat(key)
-            except NotFound:
+            if not any(v.step == step for v in await self._list_store(store)):
                 continue
             found = True
-            await store.delete(key)
-            self._packs.forget(store, key)
+            await self._delete_step(store, step)
             await self._collect(store)
         if not found:
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
@@ -630,6 +697,12 @@ class Checkpointer(AsyncResource):
         return stores
 
     async def _load_version(self, version: Version, options: dict[str, Any]) -> Any:
+        if version.kind == "dcp":
+            raise InvalidArgument(
+                f"step {version.step} ({self._store.url}/{version.key}) is a distributed "
+                "checkpoint: load it on every rank with torch.distributed.checkpoint.load("
+                f"state, storage_reader=checkpointer.dcp_reader({version.step}))"
+            )
         error: Exception | None = None
         copies = self._copies(version)
         for store in copies:
@@ -666,6 +739,9 @@ class Checkpointer(AsyncResource):
 
         Raises:
             NotFound: there is no version (of ``step``, or at all).
+            InvalidArgument: the version is a distributed one (``Version.kind == "dcp"``):
+                every rank loads it with ``torch.distributed.checkpoint.load`` and
+                :meth:`asyncstore.torch.Checkpointer.dcp_reader`.
             IntegrityError: the version of ``step`` is damaged; or with ``strict=True``, the
                 newest one is (the message names it); or every version is.
         """
@@ -702,7 +778,8 @@ class Checkpointer(AsyncResource):
         raise IntegrityError(f"no version at {self._store.url} loads: " + "; ".join(failures))
 
     async def verify(self, step: int, *, raise_on_error: bool = False) -> VerifyReport:
-        """Check every checksum of the version of ``step`` (each copy, with a mirror).
+        """Check every checksum of the version of ``step`` (each copy, with a mirror; for
+        a distributed version, its ``.metadata`` and every rank's object it names).
 
         Returns a :class:`VerifyReport`; with ``raise_on_error=True`` a damaged version
         raises its :class:`IntegrityError` instead.
@@ -717,31 +794,82 @@ class Checkpointer(AsyncResource):
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
         for store in self._copies(version):
             try:
-                await _verify((store, key))
+                if version.kind == "dcp":
+                    await self._verify_distributed(store, version)
+                else:
+                    await _verify((store, key))
             except IntegrityError as exc:
-                self._damaged.add((store.url, key))
+                self._damaged.add((store.url, version.key))
                 if raise_on_error:
                     raise
                 return VerifyReport(step, False, str(exc))
-            self._damaged.discard((store.url, key))
+            self._damaged.discard((store.url, version.key))
         return VerifyReport(step, True)
+
+    async def _verify_distributed(self, store: Store, version: Version) -> None:
+        metadata = await dist_layout.read_metadata(store, version.key)
+        for name in sorted(dist_layout.objects_named(metadata)):
+            if not dist_layout.RANK_OBJECT.match(name):
+                raise IntegrityError(
+                    f"{store.url}/{version.key}{dist_layout.METADATA} names {name!r}, "
+                    "which is not a rank's object"
+                )
+            try:
+                await _verify((store, version.key + name))
+            except NotFound:
+                raise IntegrityError(
+                    f"{store.url}/{version.key}{name} is missing: the distributed version "
+                    f"of step {version.step} lost a rank's shards"
+                ) from None
+
+    # -- distributed versions ------------------------------------------------------------------
+
+    def _dcp_url(self, step: int) -> str:
+        return f"{self._store.url}/{dcp_prefix(step)}".rstrip("/")
+
+    async def _dcp_committed(self, step: int) -> None:
+        # A distributed version of ``step`` is complete (its .metadata written): it replaces
+        # a single-object version of that step; what killed distributed saves of earlier
+        # steps left goes; retention runs, as after save().
+        key = version_key(step)
+        await self._store.delete(key)
+        self._packs.forget(self._store, key)
+        _, unfinished = await self._scan(self._store)
+        for earlier in unfinished:
+            if earlier < step:
+                await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
+        self._stats.saves += 1
+        self._tasks.spawn(self._retain(newest=step), name="retention", detached=True)
 
     async def gc(self) -> int:
         """Remove what killed saves and uploads left, here and on the mirror: temp files and
-        unfinished multipart uploads of versions and packs, and packs that no version
-        points into. Returns how many items were removed.
+        unfinished multipart uploads of versions and packs, packs that no version points
+        into, distributed saves that never completed (no ``.metadata``) and the rank
+        objects of distributed saves that a later save of the same step replaced. Returns
+        how many items were removed.
 
         This checkpointer's own saves and uploads in flight are left alone, and so is a
         local temp file whose writer is alive. S3 cannot tell a killed save's upload from a
         live one's, nor can a pack another process is writing be told from a leftover: run
         it when no other process saves to this run (retention after each save runs the
-        same collection of packs).
+        same collection of packs), and no distributed save is in flight.
         """
         await self._ensure_open()
         removed = 0
         for store in (self._store, self._mirror):
             if store is None:
                 continue
+            versions, unfinished = await self._scan(store)
+            for step in unfinished:  # distributed saves that did not complete
+                removed += await dist_layout.remove_unnamed(store, dcp_prefix(step), set())
+            for version in versions:
+                if version.kind == "dcp":  # rank objects of saves it replaced
+                    try:
+                        metadata = await dist_layout.read_metadata(store, version.key)
+                    except (IntegrityError, NotFound):
+                        continue  # damaged, or deleted meanwhile: left as it is
+                    keep = dist_layout.objects_named(metadata) | {dist_layout.METADATA}
+                    removed += await dist_layout.remove_unnamed(store, version.key, keep)
             if isinstance(store, CleansUpWrites):
                 busy = self._saving if store is self._store else self._uploading
                 for key in await store.abandoned_writes(PREFIX):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-from typing import Any, Unpack
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Unpack
 
 from .._concurrency import ExitStep, at_exit
 from .._loop import bridge_loop, run_sync
@@ -15,7 +16,10 @@ from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, NotFound, StoreError
+
+if TYPE_CHECKING:
+    from . import dcp
 
 __all__ = ["Checkpointer", "save", "save_async", "load"]
 
@@ -104,6 +108,32 @@ def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> An
     return run_sync(_load(f, map_location=map_location, **options))
 
 
+def _agreed(find: Callable[[], int]) -> int:
+    """``find()`` on rank 0, broadcast to every rank of the initialized process group (its
+    error too, raised on every rank); in one process, ``find()``."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return find()
+    outcome: list[Any] = [None]
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = ("ok", find())
+        except Exception as exc:  # told to every rank, which would wait forever otherwise
+            error = exc
+            outcome[0] = ("missing" if isinstance(exc, NotFound) else "failed", str(exc))
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if error is not None:
+        raise error
+    if kind == "missing":
+        raise NotFound(value)
+    if kind == "failed":
+        raise StoreError(f"rank 0 could not find the version to load: {value}")
+    return int(value)
+
+
 class Checkpointer:
     """:class:`asyncstore.Checkpointer` for synchronous training loops.
 
@@ -161,6 +191,80 @@ class Checkpointer:
     def stats(self) -> CheckpointerStats:
         """What this checkpointer did so far: saves, seconds, bytes, deletions."""
         return self._ckpt.stats()
+
+    # -- torch.distributed.checkpoint ----------------------------------------------------------
+
+    def dcp_writer(self, step: int) -> dcp.StorageWriter:
+        """A ``torch.distributed.checkpoint`` storage writer that saves the distributed
+        version of ``step``: on every rank, ``dcp.save(state,
+        storage_writer=ckpt.dcp_writer(step))`` (or ``dcp.async_save``).
+
+        Each rank writes its shards under ``step-000001000.dcp/`` with this checkpointer's
+        compression, staging and priority; the version exists once the coordinator has
+        written its ``.metadata``. Then, on the coordinator, it replaces a single-object
+        version of the same step, what killed distributed saves of earlier steps left is
+        removed, and retention runs in the background as after :meth:`save` (closing the
+        checkpointer waits for it).
+
+        Raises:
+            InvalidArgument: ``step`` is not an int >= 0, or the checkpointer has a mirror
+                (every rank writes straight to the run's store: point the checkpointer at
+                the shared store instead).
+        """
+        from . import dcp
+
+        ckpt = self._ckpt
+        step = ckpt._check_step(step)
+        if ckpt._mirror is not None:
+            raise InvalidArgument(
+                f"dcp_writer: the checkpointer at {ckpt.url} has a mirror, which distributed "
+                "saves do not use (every rank writes straight to the store): point a "
+                "Checkpointer without mirror at the shared store (s3://...) instead"
+            )
+        run_sync(ckpt._ensure_open())
+        config = ckpt.config
+        return dcp._VersionWriter(
+            ckpt._dcp_url(step),
+            on_commit=lambda: run_sync(ckpt._dcp_committed(step)),
+            store_options=ckpt._store_options,
+            compression=config.compression,
+            staging_bytes=config.staging_bytes,
+            priority=config.priority,
+            chunk_bytes=config.chunk_bytes,
+        )
+
+    def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
+        """A ``torch.distributed.checkpoint`` storage reader of the distributed version of
+        ``step``, or of the newest one: on every rank, ``dcp.load(state,
+        storage_reader=ckpt.dcp_reader())``.
+
+        With ``step=None`` under an initialized process group, rank 0 finds the newest
+        version and tells the others (collectively: call it on every rank), so that every
+        rank loads the same version even if a save commits meanwhile.
+
+        Raises:
+            NotFound: there is no distributed version (of ``step``, or at all).
+            InvalidArgument: ``step`` is not an int >= 0.
+        """
+        from . import dcp
+
+        ckpt = self._ckpt
+        if step is not None:
+            step = ckpt._check_step(step)
+        found = _agreed(lambda: self._newest_dcp(step))
+        return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
+
+    def _newest_dcp(self, step: int | None) -> int:
+        versions = [v for v in self.versions() if v.kind == "dcp"]
+        if step is not None:
+            versions = [v for v in versions if v.step == step]
+        if not versions:
+            which = "of step {step}" if step is not None else "at all"
+            raise NotFound(
+                f"{self.url} holds no distributed version {which.format(step=step)} "
+                "(step-*.dcp/ with its .metadata): save one with dcp_writer(step)"
+            )
+        return versions[-1].step
 
     def close(self) -> None:
         """Wait for the saves' retention and release the store; closing twice is harmless."""

@@ -8,8 +8,14 @@ in bounded memory, atomic), and the coordinator writes DCP's metadata last, so a
 is complete or invisible. A load reads, from each rank's object, only the entries its plan
 asks for, and verifies every chunk it reads.
 
-Layout under ``url``: ``__<rank>_0.ckpt`` per rank that wrote items, and ``.metadata`` (DCP's
-``Metadata``, pickled, as DCP's own ``FileSystemWriter`` writes it).
+Layout under ``url``: ``__<rank>_<save>.ckpt`` per rank that wrote items (``<save>`` new for
+every save, so saving again into the same directory never writes over the checkpoint there
+until the new one is complete), and ``.metadata`` (DCP's ``Metadata``, checksummed; read back
+with an unpickler that builds only DCP's metadata classes). See
+:mod:`asyncstore.checkpoint._distributed`.
+
+With a :class:`asyncstore.torch.Checkpointer`, ``ckpt.dcp_writer(step)`` and
+``ckpt.dcp_reader()`` save and load numbered versions of a run, with its retention.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import ctypes
 import dataclasses
 import io
 import os
-import pickle
+import secrets
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -36,24 +43,23 @@ from torch.distributed.checkpoint.storage import StorageWriter as _StorageWriter
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .._config import DEFAULT_STAGING_BYTES
+from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES
 from .._loop import run_sync
 from ..checkpoint import load as _load
 from ..checkpoint import save as _save
+from ..checkpoint._distributed import (
+    METADATA,
+    RANK_OBJECT,
+    encode_metadata,
+    objects_named,
+    read_metadata,
+    remove_unnamed,
+)
+from ..checkpoint._save import _config as _save_config
 from ..errors import IntegrityError, InvalidArgument, NotFound
 from ..stores import open_store
 
 __all__ = ["StorageReader", "StorageWriter"]
-
-_METADATA = ".metadata"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Where:
-    """Where one DCP item lies: the rank's object, and the entry in it."""
-
-    name: str
-    entry: str
 
 
 def _url(checkpoint_id: Any, what: str) -> str:
@@ -82,14 +88,17 @@ def _done(value: Any) -> Future[Any]:
     return future
 
 
-async def _put(url: str, key: str, data: bytes, options: dict[str, Any]) -> None:
+async def _commit(url: str, metadata: Metadata, options: dict[str, Any]) -> None:
+    # .metadata replaces the one there (if any) at once; then the objects only the
+    # replaced checkpoint, or killed saves, named go.
     async with open_store(url, **options) as store:
-        await store.put(key, data)
+        await store.put(METADATA, encode_metadata(metadata))
+        await remove_unnamed(store, "", objects_named(metadata) | {METADATA})
 
 
-async def _get(url: str, key: str, options: dict[str, Any]) -> bytes:
+async def _read_metadata(url: str, options: dict[str, Any]) -> Metadata:
     async with open_store(url, **options) as store:
-        return await store.get(key)
+        return await read_metadata(store, "")
 
 
 class StorageWriter(_StorageWriter):
@@ -100,7 +109,7 @@ class StorageWriter(_StorageWriter):
         url: the checkpoint's directory (any store URL, or a local path); DCP's
             ``checkpoint_id``, when given, takes its place.
         store_options: options for :func:`asyncstore.open_store`.
-        compression, staging_bytes, priority: as for :func:`asyncstore.save`.
+        compression, staging_bytes, priority, chunk_bytes: as for :func:`asyncstore.save`.
     """
 
     def __init__(
@@ -111,13 +120,17 @@ class StorageWriter(_StorageWriter):
         compression: Literal["auto", "zstd"] | None = "auto",
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         priority: Literal["low", "normal"] = "low",
+        chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
     ) -> None:
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageWriter")
+        # Checked here, not on every rank's first write.
+        _save_config(compression, 1, chunk_bytes, staging_bytes, (), None, priority)
         self._save_options: dict[str, Any] = {
             "compression": compression,
             "staging_bytes": staging_bytes,
             "priority": priority,
+            "chunk_bytes": chunk_bytes,
             "store_options": self.store_options,
         }
         self.is_coordinator = False
@@ -138,16 +151,18 @@ class StorageWriter(_StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Each rank's plan, told the name of the object it writes."""
+        """Each rank's plan, told the name of the object it writes (new for this save)."""
+        save = secrets.token_hex(8)
         return [
-            dataclasses.replace(plan, storage_data=f"__{i}_0.ckpt") for i, plan in enumerate(plans)
+            dataclasses.replace(plan, storage_data=f"__{i}_{save}.ckpt")
+            for i, plan in enumerate(plans)
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as one checkpoint object; the results name each entry."""
         assert self.url is not None
         name = plan.storage_data
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not RANK_OBJECT.match(name):
             raise InvalidArgument("StorageWriter.write_data: the plan was not prepared by it")
         entries: dict[str, torch.Tensor] = {}
         results = []
@@ -167,7 +182,7 @@ class StorageWriter(_StorageWriter):
             entry = str(i)
             entries[entry] = tensor
             size = tensor.numel() * tensor.element_size()
-            results.append(WriteResult(item.index, size, _Where(name, entry)))
+            results.append(WriteResult(item.index, size, (name, entry)))
         if entries:
             run_sync(self._write(f"{self.url}/{name}", entries))
         return _done(results)
@@ -178,16 +193,42 @@ class StorageWriter(_StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write DCP's metadata (the coordinator, once every rank has written): the
-        checkpoint becomes visible."""
+        checkpoint becomes visible, replacing the one there; then remove what only the
+        replaced one, or saves killed mid-way, wrote."""
         assert self.url is not None
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
-        data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
-        run_sync(_put(self.url, _METADATA, data, self.store_options))
+        run_sync(_commit(self.url, metadata, self.store_options))
+        self._committed()
+
+    def _committed(self) -> None:
+        """Called on the coordinator once the checkpoint is complete."""
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether ``checkpoint_id`` can name a checkpoint here (a URL or a path)."""
         return isinstance(checkpoint_id, str | os.PathLike) and bool(os.fspath(checkpoint_id))
+
+
+class _VersionWriter(StorageWriter):
+    """The writer of one numbered version of a :class:`asyncstore.torch.Checkpointer`'s
+    run: ``on_commit`` runs on the coordinator once the version is complete."""
+
+    def __init__(self, url: str, *, on_commit: Callable[[], None], **options: Any) -> None:
+        super().__init__(url, **options)
+        self._on_commit = on_commit
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Start the version's save; it has its own place, so ``checkpoint_id`` must be
+        ``None``."""
+        if checkpoint_id is not None:
+            raise InvalidArgument(
+                f"checkpoint_id={checkpoint_id!r}: this writer saves a Checkpointer's version "
+                f"at {self.url}; pass no checkpoint_id (or use a plain StorageWriter)"
+            )
+        super().reset()
+
+    def _committed(self) -> None:
+        self._on_commit()
 
 
 class StorageReader(_StorageReader):
@@ -197,8 +238,9 @@ class StorageReader(_StorageReader):
     Every chunk read is verified; a damaged one raises :class:`~asyncstore.IntegrityError`
     naming the item's object and entry. Each rank reads only the entries its plan needs.
 
-    ``.metadata`` is unpickled as DCP's own ``FileSystemReader`` does: load checkpoints you
-    trust. The tensors' objects are read with ``weights_only=True``.
+    ``.metadata`` is checksummed and unpickled with an allow-list of DCP's metadata classes;
+    the ranks' objects are read with ``weights_only=True``: a crafted checkpoint cannot run
+    code.
     """
 
     def __init__(
@@ -209,7 +251,7 @@ class StorageReader(_StorageReader):
     ) -> None:
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageReader")
-        self.storage_data: dict[Any, _Where] = {}
+        self.storage_data: dict[Any, tuple[str, str]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start reading a checkpoint (at ``checkpoint_id``, when given)."""
@@ -223,19 +265,16 @@ class StorageReader(_StorageReader):
 
         Raises:
             NotFound: there is no complete checkpoint at the URL.
+            IntegrityError: ``.metadata`` is damaged, or was not written by this plugin.
         """
         assert self.url is not None
         try:
-            data = run_sync(_get(self.url, _METADATA, self.store_options))
+            return run_sync(_read_metadata(self.url, self.store_options))
         except NotFound:
             raise NotFound(
-                f"{self.url} holds no complete DCP checkpoint (no {_METADATA}): the save did not "
+                f"{self.url} holds no complete DCP checkpoint (no {METADATA}): the save did not "
                 "finish, or the URL is wrong"
             ) from None
-        metadata = pickle.loads(data)
-        if not isinstance(metadata, Metadata):
-            raise IntegrityError(f"{self.url}/{_METADATA} is not DCP metadata")
-        return metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -257,18 +296,23 @@ class StorageReader(_StorageReader):
         wanted: dict[str, list[Any]] = {}
         for item in plan.items:
             where = self.storage_data.get(item.storage_index)
-            if not isinstance(where, _Where):
+            if (
+                not isinstance(where, tuple)
+                or len(where) != 2
+                or not all(isinstance(part, str) for part in where)
+                or not RANK_OBJECT.match(where[0])
+            ):
                 raise IntegrityError(
-                    f"{self.url}/{_METADATA} does not say where {item.storage_index} lies"
+                    f"{self.url}/{METADATA} does not say where {item.storage_index} lies"
                 )
-            wanted.setdefault(where.name, []).append(item)
+            wanted.setdefault(where[0], []).append(item)
         for name, items in wanted.items():
-            keys = sorted({self.storage_data[i.storage_index].entry for i in items})
+            keys = sorted({self.storage_data[i.storage_index][1] for i in items})
             loaded = run_sync(
                 _load(f"{self.url}/{name}", keys=keys, store_options=self.store_options)
             )
             for item in items:
-                value = loaded[self.storage_data[item.storage_index].entry]
+                value = loaded[self.storage_data[item.storage_index][1]]
                 if item.type == LoadItemType.BYTE_IO:
                     raw = (
                         ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""

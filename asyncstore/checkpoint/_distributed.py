@@ -1,0 +1,172 @@
+"""Distributed checkpoints on a store: the layout ``asyncstore.torch.dcp`` writes, and what a
+:class:`Checkpointer` needs to list, verify, retain and clean one up.
+
+A distributed checkpoint is a directory. Each rank that has items writes them as one
+asyncstore checkpoint object, ``__<rank>_<save>.ckpt``; once every rank has written, the
+coordinator writes ``.metadata`` (``torch.distributed.checkpoint``'s ``Metadata``, with
+where each item lies). The checkpoint is complete once ``.metadata`` is there, and it is made
+of the rank objects that ``.metadata`` names and nothing else: ``<save>`` is new for every
+save, so a save into a directory that holds a checkpoint never writes over an object the
+current ``.metadata`` names; that checkpoint stays whole until the new ``.metadata``
+replaces it (atomically), and its objects are removed after.
+
+``.metadata`` is ``MAGIC``, the xxh3-64 of the pickle (little-endian), then the pickle. It is
+read with an unpickler that builds only what DCP's metadata is made of (its dataclasses,
+``torch.Size``, dtypes, layouts): a crafted file cannot run code, and a damaged one fails
+its checksum.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import struct
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from ..errors import IntegrityError
+from ..stores import CleansUpWrites, Store
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = [
+    "METADATA",
+    "RANK_OBJECT",
+    "decode_metadata",
+    "encode_metadata",
+    "objects_named",
+    "read_metadata",
+    "remove_checkpoint",
+    "remove_unnamed",
+]
+
+METADATA = ".metadata"
+MAGIC = b"ASYNCDCP"
+_HEADER = struct.Struct("<8sQ")
+
+RANK_OBJECT = re.compile(r"^__(\d+)_([0-9a-f]{8,32})\.ckpt$")
+"""A rank's object: ``__<rank>_<save>.ckpt``, ``<save>`` in hex, new for every save."""
+
+
+def encode_metadata(metadata: Metadata) -> bytes:
+    """``.metadata``'s bytes for ``metadata``."""
+    data = pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data)) + data
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata classes and the torch values they hold; nothing else."""
+
+    def __init__(self, data: bytes, where: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+        import torch.distributed.checkpoint.metadata as dcp_metadata
+        import torch.serialization
+
+        value: Any = None
+        if module == "torch.distributed.checkpoint.metadata":
+            value = getattr(dcp_metadata, name, None)
+            if not isinstance(value, type) or value.__module__ != module:
+                value = None
+        elif module == "torch" and name == "Size":
+            value = torch.Size
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            value = getattr(torch, name)
+        elif module == "torch.serialization" and name == "_get_layout":
+            value = torch.serialization._get_layout
+        elif module == "collections" and name == "OrderedDict":
+            import collections
+
+            value = collections.OrderedDict
+        if value is None:
+            raise IntegrityError(
+                f"{self._where} names {module}.{name}, which DCP metadata does not hold: "
+                "it was not written by asyncstore.torch.dcp; refusing to build it"
+            )
+        return value
+
+
+def decode_metadata(data: bytes, where: str) -> Metadata:
+    """The ``Metadata`` in ``.metadata``'s bytes (read from ``where``, for messages).
+
+    Raises:
+        IntegrityError: the bytes are damaged, or are not asyncstore's DCP metadata.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if len(data) < _HEADER.size or data[: len(MAGIC)] != MAGIC:
+        raise IntegrityError(
+            f"{where} is not asyncstore DCP metadata (it does not start with {MAGIC!r}): "
+            "a checkpoint written by another tool, or a damaged file"
+        )
+    _, digest = _HEADER.unpack_from(data)
+    body = memoryview(data)[_HEADER.size :]
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        raise IntegrityError(f"{where} does not match its checksum: the file is damaged")
+    try:
+        metadata = _MetadataUnpickler(bytes(body), where).load()
+    except IntegrityError:
+        raise
+    except Exception as exc:  # a pickle that passed its checksum but does not build
+        raise IntegrityError(f"{where} does not unpickle ({exc!r})") from exc
+    if not isinstance(metadata, Metadata):
+        raise IntegrityError(f"{where} holds {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+def objects_named(metadata: Metadata) -> set[str]:
+    """The rank objects ``metadata`` says its items lie in."""
+    names = set()
+    for place in (metadata.storage_data or {}).values():
+        if isinstance(place, tuple) and len(place) == 2 and isinstance(place[0], str):
+            names.add(place[0])
+    return names
+
+
+async def read_metadata(store: Store, prefix: str) -> Metadata:
+    """The ``Metadata`` of the checkpoint at ``prefix`` (a directory key ending in ``/``).
+
+    Raises:
+        NotFound: there is no ``.metadata``: no complete checkpoint there.
+        IntegrityError: it is damaged.
+    """
+    key = prefix + METADATA
+    return decode_metadata(await store.get(key), f"{store.url}/{key}")
+
+
+def _ours(name: str) -> bool:
+    # Only what a save writes is ever removed: a checkpoint directory given by hand may
+    # hold the user's own files.
+    return name == METADATA or RANK_OBJECT.match(name) is not None
+
+
+async def remove_unnamed(store: Store, prefix: str, keep: set[str]) -> int:
+    """Remove the rank objects and ``.metadata`` under ``prefix`` (a directory key ending
+    in ``/``, or ``""``) whose names are not in ``keep``: earlier saves' rank objects, and
+    what writes killed mid-way left. Other files are left alone. Returns how many items
+    were removed."""
+    removed = 0
+    names = [info.key[len(prefix) :] async for info in store.list(prefix)]
+    for name in names:
+        if _ours(name) and name not in keep:
+            await store.delete(prefix + name)
+            removed += 1
+    if isinstance(store, CleansUpWrites):
+        for key in await store.abandoned_writes(prefix):
+            name = key[len(prefix) :]
+            if _ours(name) and name not in keep:
+                removed += await store.clean_up_writes(key)
+    return removed
+
+
+async def remove_checkpoint(store: Store, prefix: str) -> int:
+    """Remove the checkpoint at ``prefix``: ``.metadata`` first (it stops being a
+    checkpoint at once), then its rank objects and leftovers; returns how many items."""
+    await store.delete(prefix + METADATA)
+    return 1 + await remove_unnamed(store, prefix, set())
