@@ -244,6 +244,9 @@ def sharded(values, step):
             "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["rows", "bias"]}],
         },
         "step": step,
+        # Each rank's own values (its dataset position): under a key of its own, or DCP
+        # would keep one rank's copy of a key every rank saves.
+        "data": {f"rank{rank}": {"consumed": 1000 * step + rank}},
     }
 
 def check(loaded, step, rows):
@@ -255,6 +258,7 @@ def check(loaded, step, rows):
     assert got["step"].item() == float(step)
     assert loaded["optim"]["param_groups"][0]["betas"] == (0.9, 0.999)
     assert loaded["step"] == step
+    assert loaded["data"] == {f"rank{rank}": {"consumed": 1000 * step + rank}}
 
 def load(ckpt, step, rows):
     target = sharded({k: torch.zeros_like(v) for k, v in full(0, rows).items()}, 0)
