@@ -5,6 +5,7 @@ and to SeaweedFS."""
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -553,7 +554,6 @@ def test_a_distributed_save_replaces_a_single_object_version_and_cleans_up_unfin
 
 
 def test_damaged_or_hostile_metadata_is_refused(tmp_path: Path) -> None:
-    import pickle
     import struct
 
     import xxhash
@@ -618,6 +618,9 @@ def test_a_damaged_rank_object_fails_verify_and_the_writer_refuses_bad_options(
             ckpt.verify(1, raise_on_error=True)
         with pytest.raises(InvalidArgument, match="step="):
             ckpt.dcp_writer(-1)
+        with pytest.raises(InvalidArgument, match="thread mode"):
+            pickle.dumps(ckpt.dcp_writer(2))  # as AsyncCheckpointerType.PROCESS would
+        pickle.loads(pickle.dumps(StorageWriter(str(tmp_path / "z"))))  # a plain one goes
         with pytest.raises(InvalidArgument, match="checkpoint_id="):
             state_dict_saver.save(
                 small(2), storage_writer=ckpt.dcp_writer(2), checkpoint_id=str(tmp_path / "x")

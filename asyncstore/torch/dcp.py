@@ -230,6 +230,13 @@ class _VersionWriter(StorageWriter):
     def _committed(self) -> None:
         self._on_commit()
 
+    def __reduce__(self) -> Any:
+        raise InvalidArgument(
+            f"the writer of {self.url} belongs to a Checkpointer of this process and cannot "
+            "be sent to another one: use dcp.async_save's default thread mode with it (or a "
+            "plain StorageWriter, which has no retention)"
+        )
+
 
 class StorageReader(_StorageReader):
     """DCP's ``StorageReader`` over asyncstore: ``dcp.load(state, storage_reader=
