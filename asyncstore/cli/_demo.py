@@ -1,6 +1,4 @@
-"""The ``asyncstore`` command line.
-
-``asyncstore demo`` writes, lists and reads back a few objects through a store (a local
+"""``asyncstore demo``: writes, lists and reads back a few objects through a store (a local
 directory by default, no server needed) and prints what it did and how fast.
 """
 
@@ -8,16 +6,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import time
-from collections.abc import Sequence
 
 import xxhash
 
-from .errors import AsyncStoreError
-from .stores import open_store
+from ..stores import open_store
 
-__all__ = ["main", "DEFAULT_DEMO_URL"]
+__all__ = ["DEFAULT_DEMO_URL", "register"]
 
 # Where ``asyncstore demo`` writes without --url: a directory beside the caller, so the demo
 # needs no server and what it wrote is easy to find and remove.
@@ -83,10 +78,8 @@ async def _demo(url: str, count: int, size: int, max_inflight: int) -> None:
             raise SystemExit("demo: data read back did not match what was written")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="asyncstore", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``demo`` to the command line."""
     demo = commands.add_parser("demo", help="write, list and read back objects through a store")
     demo.add_argument(
         "--url",
@@ -98,18 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--max-inflight", type=int, default=32, help="requests in flight (default 32)"
     )
-    args = parser.parse_args(argv)
+    demo.set_defaults(handler=run, parser=demo)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the exit status."""
     if args.objects < 1 or args.size < 1 or args.max_inflight < 1:
-        parser.error("--objects, --size and --max-inflight must be positive")
-    try:
-        asyncio.run(_demo(args.url, args.objects, args.size, args.max_inflight))
-    except AsyncStoreError as exc:
-        print(f"asyncstore: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        args.parser.error("--objects, --size and --max-inflight must be positive")
+    asyncio.run(_demo(args.url, args.objects, args.size, args.max_inflight))
     return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
