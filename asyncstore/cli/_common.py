@@ -54,7 +54,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def progress(total: int | None, description: str, unit: str = "B") -> Iterator[tqdm]:
+def progress(total: int | None, description: str, unit: str = "B") -> Iterator[tqdm[Any]]:
     """A progress bar on stderr when it is a terminal; silent otherwise (pipes, CI, logs).
 
     ``unit="B"`` shows bytes with binary prefixes; call ``bar.update(n)`` as work is done.
