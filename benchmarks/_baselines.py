@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -63,3 +64,30 @@ async def multipart_put(
         UploadId=upload["UploadId"],
         MultipartUpload={"Parts": list(parts)},
     )
+
+
+async def ranged_get_to_file(
+    client: Any, bucket: str, key: str, path: str, size: int, part: int, inflight: int
+) -> None:
+    """Download the ``size`` bytes of ``key`` into the file ``path`` as ranged GETs of
+    ``part`` bytes, ``inflight`` at once, each written at its offset as it arrives."""
+    limit = asyncio.Semaphore(inflight)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+
+        async def piece(offset: int) -> None:
+            async with limit:
+                resp = await client.get_object(
+                    Bucket=bucket, Key=key, Range=f"bytes={offset}-{offset + part - 1}"
+                )
+                async with resp["Body"] as body:
+                    chunk: bytes = await body.read()
+            if len(chunk) != min(part, size - offset):
+                raise OSError(f"{key}: range at {offset} returned {len(chunk)} bytes")
+            view = memoryview(chunk)
+            while view:
+                view = view[os.pwrite(fd, view, offset + len(chunk) - len(view)) :]
+
+        await asyncio.gather(*(piece(offset) for offset in range(0, size, part)))
+    finally:
+        os.close(fd)
