@@ -11,7 +11,11 @@ Open a store by URL and move bytes::
 
 from __future__ import annotations
 
+import logging
 import typing
+
+# metrics: asyncstore.metrics.snapshot(), asyncstore.metrics.prometheus
+from . import metrics as metrics
 
 # prefetch
 from ._prefetch import Prefetcher, PrefetchStats
@@ -52,6 +56,11 @@ if typing.TYPE_CHECKING:
     from .checkpoint import Checkpointer, SaveHandle, SaveResult, load, save
 
 __version__ = "0.1.0.dev0"
+
+# The library logs through "asyncstore" and its children ("asyncstore.cache", ...) and never
+# prints; without this, Python's last-resort handler would print its warnings to stderr in an
+# application that configured no logging.
+logging.getLogger("asyncstore").addHandler(logging.NullHandler())
 
 __all__ = [
     # stores

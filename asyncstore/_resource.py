@@ -12,18 +12,49 @@ A resource is ``new`` until it opens (``async with``, or its first use), ``open`
 
 Subclasses implement ``_on_open`` and ``_on_close`` (both optional) and describe themselves
 for messages with ``_resource_name``.
+
+A resource with a ``stats()`` method joins a process-wide weak registry when it is built and
+leaves it when it closes (or is garbage-collected): :func:`asyncstore.metrics.snapshot`
+reads every live component's figures from there.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+import weakref
 from types import TracebackType
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from ._concurrency import shield
 from .errors import StoreClosed
 
-__all__ = ["AsyncResource"]
+__all__ = ["AsyncResource", "live", "track", "untrack"]
+
+# Every live component with figures. Weak: the registry never keeps one alive. The lock makes
+# a snapshot taken in another thread (a Prometheus scrape) safe against concurrent additions;
+# removals by the garbage collector are deferred by WeakSet itself while it is iterated.
+_live: weakref.WeakSet[Any] = weakref.WeakSet()
+_live_lock = threading.Lock()
+
+
+def track(component: object) -> None:
+    """Add ``component`` (anything with a ``stats()`` method) to the registry of live
+    components that :func:`asyncstore.metrics.snapshot` reads."""
+    with _live_lock:
+        _live.add(component)
+
+
+def untrack(component: object) -> None:
+    """Remove ``component`` from the registry (closing a resource does it)."""
+    with _live_lock:
+        _live.discard(component)
+
+
+def live() -> list[Any]:
+    """The components registered now, copied under the lock."""
+    with _live_lock:
+        return list(_live)
 
 
 class AsyncResource:
@@ -34,6 +65,19 @@ class AsyncResource:
     _reopen_hint = "create a new one"
     # Said after "… was not closed; " in the ResourceWarning.
     _unclosed_hint = "use 'async with' or await aclose()"
+    # Whether instances join the metrics registry: those of classes with a stats() method.
+    _tracked = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._tracked = callable(getattr(cls, "stats", None))
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        # Here rather than in __init__: subclasses do not all call super().__init__().
+        self = super().__new__(cls)
+        if cls._tracked:
+            track(self)
+        return self
 
     # -- what subclasses provide ---------------------------------------------------------------
 
@@ -98,6 +142,8 @@ class AsyncResource:
             return
         was_open = self._state == "open"
         self._state = "closed"
+        if self._tracked:
+            untrack(self)
         if was_open:
             await shield(self._on_close())
 

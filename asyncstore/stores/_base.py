@@ -8,6 +8,7 @@ ranges, closed stores) identical across stores and out of each implementation.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, runtime_checkable
@@ -19,6 +20,7 @@ from .._concurrency import shield
 from .._resource import AsyncResource
 from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._keys import check_key, check_prefix, check_range
+from ._stats import Requests, StoreStats
 
 DEFAULT_CHUNK_BYTES = 1 << 20
 """Reader chunk size: 1 MiB amortises the per-chunk await and thread hop while keeping the
@@ -259,6 +261,19 @@ class BaseStore(AsyncResource, abc.ABC):
 
     def __init__(self, url: str) -> None:
         self._url = url.rstrip("/")
+        self._req_get, self._req_put, self._req_stat, self._req_delete = (
+            Requests() for _ in range(4)
+        )
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the store's request figures: counts, errors, bytes and latency
+        histograms of ``get``, ``put``, ``stat`` and ``delete``."""
+        return StoreStats(
+            get=self._req_get.snapshot(),
+            put=self._req_put.snapshot(),
+            stat=self._req_stat.snapshot(),
+            delete=self._req_delete.snapshot(),
+        )
 
     @property
     def url(self) -> str:
@@ -304,23 +319,58 @@ class BaseStore(AsyncResource, abc.ABC):
         self._check_open()
         key = check_key(key, self._url)
         first, last = check_range(start, end, self.where(key))
-        return await self._get(key, first, last)
+        # Timed here, once per call: two clock reads and a bisection (see _stats).
+        started = time.perf_counter()
+        try:
+            data = await self._get(key, first, last)
+        except Exception:
+            self._req_get.errors += 1
+            self._req_get.add(time.perf_counter() - started, 0)
+            raise
+        self._req_get.add(time.perf_counter() - started, len(data))
+        return data
 
     async def put(self, key: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
         """See :meth:`Store.put`."""
         self._check_open()
         key = check_key(key, self._url)
-        return await self._put(key, as_buffer(data, self.where(key)))
+        buffer = as_buffer(data, self.where(key))
+        started = time.perf_counter()
+        try:
+            info = await self._put(key, buffer)
+        except Exception:
+            self._req_put.errors += 1
+            self._req_put.add(time.perf_counter() - started, 0)
+            raise
+        self._req_put.add(time.perf_counter() - started, buffer.nbytes)
+        return info
 
     async def stat(self, key: str) -> ObjectInfo:
         """See :meth:`Store.stat`."""
         self._check_open()
-        return await self._stat(check_key(key, self._url))
+        key = check_key(key, self._url)
+        started = time.perf_counter()
+        try:
+            info = await self._stat(key)
+        except Exception:
+            self._req_stat.errors += 1
+            self._req_stat.add(time.perf_counter() - started, 0)
+            raise
+        self._req_stat.add(time.perf_counter() - started, 0)
+        return info
 
     async def delete(self, key: str) -> None:
         """See :meth:`Store.delete`."""
         self._check_open()
-        await self._delete(check_key(key, self._url))
+        key = check_key(key, self._url)
+        started = time.perf_counter()
+        try:
+            await self._delete(key)
+        except Exception:
+            self._req_delete.errors += 1
+            self._req_delete.add(time.perf_counter() - started, 0)
+            raise
+        self._req_delete.add(time.perf_counter() - started, 0)
 
     def list(self, prefix: str = "", *, start_after: str = "") -> AsyncIterator[ObjectInfo]:
         """See :meth:`Store.list`."""

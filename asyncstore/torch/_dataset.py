@@ -19,6 +19,7 @@ from .._config import DatasetConfig, build
 from .._keyindex import KeyIndex, build_index, write_index
 from .._loop import run_sync
 from .._prefetch import Prefetcher, PrefetchStats
+from .._resource import track
 from ..cache import CacheStats, TieredCache
 from ..errors import InvalidArgument, InvalidKey
 from ..stores import Store, open_store
@@ -207,6 +208,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         )
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
+        track(self)  # listed by asyncstore.metrics.snapshot() while it lives
 
     # -- the plan ----------------------------------------------------------------------------
 

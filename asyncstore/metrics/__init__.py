@@ -1,0 +1,175 @@
+"""One view over every live component's figures.
+
+Every store, :class:`~asyncstore.TieredCache`, :class:`~asyncstore.Prefetcher`,
+:class:`~asyncstore.Checkpointer` and ``asyncstore.torch.StreamingDataset`` of this process
+joins a weak registry when it is built and leaves it when it is closed or garbage-collected;
+:func:`snapshot` asks each for its ``stats()``::
+
+    import asyncstore.metrics
+
+    for cache in asyncstore.metrics.snapshot().caches:
+        print(cache.name, cache.stats.hit_rate)
+
+For Prometheus, see :mod:`asyncstore.metrics.prometheus`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import msgspec
+
+from .._prefetch import PrefetchStats
+from .._resource import live
+from ..cache import CacheStats
+from ..stores._redact import redact
+from ..stores._stats import LATENCY_BUCKETS, RequestStats, StoreStats
+
+if TYPE_CHECKING:
+    from ..checkpoint._manager import CheckpointerStats
+    from ..torch._dataset import DatasetStats
+
+__all__ = [
+    "Component",
+    "Failure",
+    "LATENCY_BUCKETS",
+    "Metrics",
+    "RequestStats",
+    "StoreStats",
+    "snapshot",
+]
+
+logger = logging.getLogger("asyncstore.metrics")
+
+S = TypeVar("S")
+
+
+class Component(msgspec.Struct, Generic[S], frozen=True):
+    """One live component and its figures.
+
+    Attributes:
+        kind: ``"store"``, ``"cache"``, ``"prefetcher"``, ``"checkpointer"`` or ``"dataset"``.
+        name: what it works on, without credentials: the store's URL, the URL of the store
+            under a cache or prefetcher, a checkpointer's URL, a dataset's source.
+        stats: its ``stats()`` at the time of the snapshot.
+    """
+
+    kind: str
+    name: str
+    stats: S
+
+
+class Failure(msgspec.Struct, frozen=True):
+    """A component whose ``stats()`` raised during a snapshot (it is left out of the lists).
+
+    Attributes:
+        kind: the component's class name.
+        name: what it works on, as in :class:`Component`.
+        error: the exception's type and message, credentials masked.
+    """
+
+    kind: str
+    name: str
+    error: str
+
+
+class Metrics(msgspec.Struct, frozen=True):
+    """The figures of every live component of this process (see :func:`snapshot`).
+
+    Each list is sorted by name. A component shows in one list from its construction to its
+    close; the components a :class:`StreamingDataset` opens for itself (its store, cache and
+    prefetcher) show in their own lists too, so the dataset's nested figures repeat theirs.
+
+    Attributes:
+        stores: :class:`StoreStats` of every store.
+        caches: :class:`~asyncstore.CacheStats` of every :class:`~asyncstore.TieredCache`.
+        prefetchers: :class:`~asyncstore.PrefetchStats` of every prefetcher.
+        checkpointers: ``CheckpointerStats`` of every :class:`~asyncstore.Checkpointer`.
+        datasets: ``DatasetStats`` of every ``StreamingDataset`` (``None`` before its first
+            iteration in this process).
+        failures: components whose ``stats()`` raised.
+        time: when the snapshot was taken (``time.time()``).
+    """
+
+    stores: list[Component[StoreStats]]
+    caches: list[Component[CacheStats]]
+    prefetchers: list[Component[PrefetchStats]]
+    checkpointers: list[Component[CheckpointerStats]]
+    datasets: list[Component[DatasetStats | None]]
+    failures: list[Failure]
+    time: float
+
+
+def _name(component: Any) -> str:
+    """What ``component`` works on, for labels and lists; never raises."""
+    try:
+        # Stores and checkpointers say it; a cache and a prefetcher through what they read.
+        for path in (("url",), ("_store", "url"), ("_source", "url"), ("_source", "_store", "url")):
+            value = component
+            for attr in path:
+                value = getattr(value, attr, None)
+            if isinstance(value, str):
+                return redact(value)
+        url = getattr(component, "_url", None)  # a dataset's source
+        if isinstance(url, str):
+            return redact(url)
+    except Exception:  # a property that raises: the class name still says what it is
+        pass
+    return type(component).__name__
+
+
+def _kind(stats: object) -> str | None:
+    if isinstance(stats, StoreStats):
+        return "store"
+    if isinstance(stats, CacheStats):
+        return "cache"
+    if isinstance(stats, PrefetchStats):
+        return "prefetcher"
+    # Their modules import torch: recognised by name rather than imported here.
+    cls = type(stats)
+    if cls.__module__.startswith("asyncstore."):
+        return {"CheckpointerStats": "checkpointer", "DatasetStats": "dataset"}.get(cls.__name__)
+    return None
+
+
+def snapshot() -> Metrics:
+    """The figures of every live component of this process, now.
+
+    Cheap (each component copies its counters), safe to call from any thread (a Prometheus
+    scrape runs in its server's thread), and it never raises because of one component: a
+    ``stats()`` that raises is listed in :attr:`Metrics.failures` and logged at DEBUG.
+    """
+    lists: dict[str, list[Any]] = {
+        kind: [] for kind in ("store", "cache", "prefetcher", "checkpointer", "dataset")
+    }
+    failures: list[Failure] = []
+    for component in live():
+        try:
+            stats = component.stats()
+        except Exception as exc:
+            name = _name(component)
+            error = redact(f"{type(exc).__name__}: {exc}")
+            logger.debug("stats() of %s %s failed: %s", type(component).__name__, name, error)
+            failures.append(Failure(kind=type(component).__name__, name=name, error=error))
+            continue
+        if stats is None:
+            kind = "dataset"  # a StreamingDataset before its first iteration
+        else:
+            found = _kind(stats)
+            if found is None:
+                continue  # a component of another library's making: not ours to list
+            kind = found
+        lists[kind].append(Component(kind=kind, name=_name(component), stats=stats))
+    for entries in lists.values():
+        entries.sort(key=lambda entry: entry.name)
+    return Metrics(
+        stores=lists["store"],
+        caches=lists["cache"],
+        prefetchers=lists["prefetcher"],
+        checkpointers=lists["checkpointer"],
+        datasets=lists["dataset"],
+        failures=failures,
+        time=time.time(),
+    )
