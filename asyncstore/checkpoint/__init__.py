@@ -2,6 +2,7 @@
 
 from ._format import FORMAT_VERSION, Manifest
 from ._handle import SaveHandle, SaveResult
+from ._inspect import CheckpointInfo, TensorInfo, inspect
 from ._load import load, read_manifest, verify
 from ._manager import Checkpointer, CheckpointerConfig, CheckpointerStats, VerifyReport, Version
 from ._save import save
@@ -21,6 +22,9 @@ __all__ = [
     "staging_pool",
     "read_manifest",
     "verify",
+    "inspect",
+    "CheckpointInfo",
+    "TensorInfo",
     "Manifest",
     "FORMAT_VERSION",
 ]

@@ -459,19 +459,70 @@ class Checkpointer(AsyncResource):
         versions: list[Version],
         newest: int,
         mirrored: dict[int, int] | None,
-    ) -> None:
+        policy: tuple[int, int | None] | None = None,
+        dry_run: bool = False,
+    ) -> list[int]:
+        # ``policy``: (keep_last, keep_every) in place of the configured ones (prune).
+        # Returns the steps deleted (with ``dry_run``, those that would be).
+        keep_last, every = policy or (self._config.keep_last, self._config.keep_every)
         candidates = sorted((v for v in versions if v.step <= newest), key=lambda v: v.step)
-        kept = {v.step for v in candidates[-self._config.keep_last :]}
-        every = self._config.keep_every
+        kept = {v.step for v in candidates[-keep_last:]}
+        deleted = []
         for version in candidates:
             step = version.step
             if step in kept or (every is not None and step % every == 0):
                 continue
             if mirrored is not None and step not in mirrored and version.kind == "checkpoint":
                 continue  # the only copy until its upload commits
-            await self._delete_step(store, step)
-            self._stats.deleted += 1
-        await self._collect(store)
+            deleted.append(step)
+            if not dry_run:
+                await self._delete_step(store, step)
+                self._stats.deleted += 1
+        if not dry_run:
+            await self._collect(store)
+        return deleted
+
+    async def prune(
+        self, keep_last: int, keep_every: int | None = None, *, dry_run: bool = False
+    ) -> list[int]:
+        """Apply retention to the versions there now, with this policy instead of the
+        checkpointer's: keep the ``keep_last`` newest versions and every one whose step is a
+        multiple of ``keep_every``, delete the others (from the mirror too), then the packs
+        no version points into any more. Returns the steps deleted, oldest first; with
+        ``dry_run=True`` it deletes nothing and returns the steps it would delete.
+
+        As after a save, a local version that the mirror does not hold yet is kept.
+
+        Raises:
+            InvalidArgument: ``keep_last`` is not an int >= 1, or ``keep_every`` is neither
+                ``None`` nor an int >= 1.
+        """
+        for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
+            if value is None and name == "keep_every":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name}={value!r}: pass an int >= 1")
+        if not isinstance(dry_run, bool):
+            raise InvalidArgument(f"dry_run={dry_run!r}: pass True or False")
+        await self._ensure_open()
+        policy = (keep_last, keep_every)
+        deleted: set[int] = set()
+        mirrored: dict[int, int] | None = None
+        if self._mirror is not None:
+            there = await self._list_store(self._mirror)
+            mirrored = {v.step: v.size for v in there}
+            if there:
+                newest = there[-1].step
+                deleted.update(
+                    await self._retain_in(self._mirror, there, newest, None, policy, dry_run)
+                )
+        local = await self._list_store(self._store)
+        if local:
+            newest = local[-1].step
+            deleted.update(
+                await self._retain_in(self._store, local, newest, mirrored, policy, dry_run)
+            )
+        return sorted(deleted)
 
     async def _delete_step(self, store: Store, step: int) -> None:
         # Whichever way the step was saved (both, if it was saved again the other way).

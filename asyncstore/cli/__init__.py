@@ -13,13 +13,13 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import AsyncStoreError
-from . import _demo
+from . import _bench, _cache, _cp, _demo, _inspect, _ls, _prune, _verify
 from ._common import fail
 
 __all__ = ["main"]
 
 # The verbs, in the order ``asyncstore --help`` lists them.
-_VERBS = (_demo,)
+_VERBS = (_ls, _inspect, _verify, _cp, _prune, _cache, _bench, _demo)
 
 
 def parser() -> argparse.ArgumentParser:

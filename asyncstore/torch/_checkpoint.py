@@ -184,6 +184,13 @@ class Checkpointer:
         """Check every checksum of the version of ``step``."""
         return run_sync(self._ckpt.verify(step, raise_on_error=raise_on_error))
 
+    def prune(
+        self, keep_last: int, keep_every: int | None = None, *, dry_run: bool = False
+    ) -> list[int]:
+        """Delete the versions that ``keep_last`` and ``keep_every`` do not keep; returns
+        the steps deleted (see :meth:`asyncstore.Checkpointer.prune`)."""
+        return run_sync(self._ckpt.prune(keep_last, keep_every, dry_run=dry_run))
+
     def gc(self) -> int:
         """Remove what killed saves left under version names."""
         return run_sync(self._ckpt.gc())
