@@ -17,36 +17,39 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+import typing
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from .._prefetch import PrefetchStats
-from .._resource import live
+from .._resource import live as _live
 from ..cache import CacheStats
-from ..stores._redact import redact
+from ..stores._redact import redact as _redact
 from ..stores._stats import LATENCY_BUCKETS, RequestStats, StoreStats
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from ..checkpoint._manager import CheckpointerStats
     from ..torch._dataset import DatasetStats
 
 __all__ = [
+    "CacheStats",
     "Component",
     "Failure",
     "LATENCY_BUCKETS",
     "Metrics",
+    "PrefetchStats",
     "RequestStats",
     "StoreStats",
     "snapshot",
 ]
 
-logger = logging.getLogger("asyncstore.metrics")
+_logger = logging.getLogger("asyncstore.metrics")
 
-S = TypeVar("S")
+_S = TypeVar("_S")
 
 
-class Component(msgspec.Struct, Generic[S], frozen=True):
+class Component(msgspec.Struct, Generic[_S], frozen=True):
     """One live component and its figures.
 
     Attributes:
@@ -58,7 +61,7 @@ class Component(msgspec.Struct, Generic[S], frozen=True):
 
     kind: str
     name: str
-    stats: S
+    stats: _S
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -111,10 +114,10 @@ def _name(component: Any) -> str:
             for attr in path:
                 value = getattr(value, attr, None)
             if isinstance(value, str):
-                return redact(value)
+                return _redact(value)
         url = getattr(component, "_url", None)  # a dataset's source
         if isinstance(url, str):
-            return redact(url)
+            return _redact(url)
     except Exception:  # a property that raises: the class name still says what it is
         pass
     return type(component).__name__
@@ -145,13 +148,13 @@ def snapshot() -> Metrics:
         kind: [] for kind in ("store", "cache", "prefetcher", "checkpointer", "dataset")
     }
     failures: list[Failure] = []
-    for component in live():
+    for component in _live():
         try:
             stats = component.stats()
         except Exception as exc:
             name = _name(component)
-            error = redact(f"{type(exc).__name__}: {exc}")
-            logger.debug("stats() of %s %s failed: %s", type(component).__name__, name, error)
+            error = _redact(f"{type(exc).__name__}: {exc}")
+            _logger.debug("stats() of %s %s failed: %s", type(component).__name__, name, error)
             failures.append(Failure(kind=type(component).__name__, name=name, error=error))
             continue
         if stats is None:
