@@ -8,7 +8,7 @@ import io
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import asyncstore
 import asyncstore.torch
-from asyncstore import InvalidArgument, NotFound, UnsafeCheckpoint
+from asyncstore import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
 from asyncstore.checkpoint import _target, read_manifest
 from asyncstore.checkpoint._target import StoreSource
 from asyncstore.testing import SeaweedFS
@@ -272,6 +272,53 @@ async def test_into_fills_existing_tensors_in_place(tmp_path: Path) -> None:
         await asyncstore.load(path, into=wrong)
 
 
+@pytest.mark.parametrize("compression", [None, "zstd"])
+async def test_into_reads_whole_storages_straight_into_the_targets(
+    tmp_path: Path, compression: Literal["zstd"] | None
+) -> None:
+    # Several chunks per tensor; targets of other dtypes' widths, one a slice of a larger
+    # tensor (its neighbours untouched), and a saved view of a larger storage (copied).
+    base = torch.randn(100_000)
+    state = {
+        "big": torch.randn(300_000),
+        "half": torch.randn(70_000).to(torch.bfloat16),
+        "flags": torch.rand(50_000) > 0.5,
+        "view": base[10:20],
+    }
+    path = tmp_path / "direct.ckpt"
+    await (await asyncstore.save(state, path, compression=compression, chunk_bytes=256 * 1024))
+    holder = torch.full((300_010,), -1.0)
+    into: dict[str, Any] = {
+        "big": holder[5:300_005],
+        "half": torch.zeros(70_000, dtype=torch.bfloat16),
+        "flags": torch.zeros(50_000, dtype=torch.bool),
+        "view": torch.zeros(10),
+    }
+    from asyncstore.checkpoint._reader import ChunkReader
+
+    direct: list[str] = []
+    read_into = ChunkReader.read_into
+
+    async def spy(self: ChunkReader, entry: Any, memory: memoryview) -> None:
+        direct.append(entry.name)
+        await read_into(self, entry, memory)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(ChunkReader, "read_into", spy)
+        await asyncstore.load(path, into=into)
+    assert len(direct) == 3  # every storage but the one "view" is a part of
+    for key, value in state.items():
+        assert torch.equal(into[key], value), key
+    assert torch.equal(holder[:5], torch.full((5,), -1.0))
+    assert torch.equal(holder[300_005:], torch.full((5,), -1.0))
+    # A damaged chunk still fails the load, naming the tensor.
+    data = bytearray(path.read_bytes())
+    data[len(data) // 4] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="big"):
+        await asyncstore.load(path, into={"big": torch.zeros(300_000)})
+
+
 async def test_into_loads_non_tensor_entries_whole(tmp_path: Path) -> None:
     state = {"model": {"w": torch.ones(2)}, "step": torch.tensor(5), "w": torch.full((2,), 3.0)}
     await (await asyncstore.save(state, tmp_path / "mixed.ckpt"))
@@ -412,3 +459,17 @@ async def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgument, match="keys= or into="):
         await asyncstore.load(tmp_path / "x.ckpt", keys=["w"], into={})
     assert not (tmp_path / "x.ckpt").exists()
+
+
+def test_auto_compression_counts_the_cores_the_ranks_of_a_node_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from asyncstore.checkpoint._codec import _cores
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert _cores() == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # torchrun: one rank per core
+    assert _cores() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert _cores() == cores

@@ -632,3 +632,20 @@ def test_a_damaged_rank_object_fails_verify_and_the_writer_refuses_bad_options(
         ckpt.dcp_writer(3)
     with pytest.raises(InvalidArgument, match="compression"):
         StorageWriter(str(tmp_path / "y"), compression="lz4")  # type: ignore[arg-type]
+
+
+def test_targets_that_cannot_take_the_bytes_directly_are_copied_into(tmp_path: Path) -> None:
+    # A non-contiguous target and one of another dtype take the copying path; a
+    # contiguous one of the saved dtype is read into directly: all end up equal.
+    url = str(tmp_path / "ckpt")
+    saved = {"plain": torch.randn(6, 4), "t": torch.randn(4, 6), "wide": torch.randn(5)}
+    state_dict_saver.save(saved, storage_writer=StorageWriter(url))
+    plain = torch.zeros(6, 4)
+    transposed = torch.zeros(6, 4).t()  # (4, 6), not contiguous
+    wide = torch.zeros(5, dtype=torch.float64)
+    target: dict[str, Any] = {"plain": plain, "t": transposed, "wide": wide}
+    state_dict_loader.load(target, storage_reader=StorageReader(url))
+    assert target["plain"] is plain
+    assert torch.equal(plain, saved["plain"])
+    assert torch.equal(transposed, saved["t"])
+    assert torch.equal(wide, saved["wide"].double())

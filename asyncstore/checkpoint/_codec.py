@@ -2,8 +2,9 @@
 
 ``compression="auto"`` probes each storage's first chunk: a storage is compressed if the
 probe shrinks it enough *and* the encoders produce bytes faster than the target takes them
-(its write speed, measured by earlier saves to the same place). Elements of 2 and 4 bytes
-are byte-shuffled before zstd.
+(its write speed, measured by earlier saves to the same place), counting only the cores
+this process can have: the ranks of a multi-process job on one node (``LOCAL_WORLD_SIZE``)
+save at once and share them. Elements of 2 and 4 bytes are byte-shuffled before zstd.
 """
 
 from __future__ import annotations
@@ -30,6 +31,23 @@ _PROBE = 128 * 1024
 _WORTH = 0.92
 # Threads encoding segments at once: also bounds compressed output held in memory.
 ENCODERS = max(1, min(4, os.cpu_count() or 1))
+
+
+def _cores() -> int:
+    """The cores this process's encoders can count on: those it may run on, shared with
+    the other processes of a multi-process job on this node (``LOCAL_WORLD_SIZE``, set by
+    ``torchrun``), whose saves run at the same moment."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        sharing = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        sharing = 1
+    return max(1, cores // sharing)
+
+
 # Write speeds from saves this small are mostly latency: not recorded.
 _MEASURED_FROM = 64 * MiB
 
@@ -117,7 +135,7 @@ class Codecs:
             ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
             speed = max(speed, len(sample) / max(time.thread_time() - started, 1e-6))
         self._warm.add(codec)
-        keeps_up = speed * ENCODERS >= 1.1 * self.bandwidth
+        keeps_up = speed * min(ENCODERS, _cores()) >= 1.1 * self.bandwidth
         decision = codec if ratio <= _WORTH and keeps_up else "raw"
         self._codecs[storage.id] = decision
         return decision

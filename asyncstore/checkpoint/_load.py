@@ -21,6 +21,7 @@ from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
 from ._reader import ChunkReader, manifest_of
+from ._staging import byte_view
 from ._target import FileSource, Source, open_source, resolve
 from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
 
@@ -410,6 +411,11 @@ async def _fill(
         else:
             into[key] = loaded
     for sid, names in users.items():
+        direct = _whole(obj, into, names, by_id[sid])
+        if direct is not None:
+            # The target's own memory is the storage: read straight into it.
+            await reader.read_into(by_id[sid], direct)
+            continue
         storage = (await reader.storages([by_id[sid]]))[sid]
         for key in names:
             loaded = obj[key]
@@ -419,6 +425,28 @@ async def _fill(
             with torch.no_grad():
                 into[key].copy_(view)
         del storage
+
+
+def _whole(
+    obj: Mapping[str, Any], into: dict[str, Any], names: list[str], entry: fmt.Storage
+) -> memoryview | None:
+    """The memory of the one ``into`` tensor that a storage fills whole (the saved tensor
+    is all of its storage, contiguous; the target contiguous on the CPU), or None."""
+    if len(names) != 1:
+        return None
+    loaded, target = obj[names[0]], into[names[0]]
+    if (
+        loaded.storage_offset() != 0
+        or not loaded.is_contiguous()
+        or loaded.numel() * loaded.element_size() != entry.nbytes
+        or entry.nbytes == 0
+        or target.device.type != "cpu"
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+    ):
+        return None
+    return byte_view(target.view(-1).view(torch.uint8))
 
 
 def _tensor_pair(key: str, loaded: Any, target: Any) -> bool:

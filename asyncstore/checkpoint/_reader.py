@@ -241,24 +241,36 @@ class ChunkReader:
         check_memory(sum(entry.nbytes for entry in entries), self.source.url)
         for entry in entries:
             storage, memory = fixed_storage(entry.nbytes)
-            position = 0
-            for index, chunk in enumerate(entry.chunks):
-                if position + chunk.raw > entry.nbytes:
-                    raise IntegrityError(
-                        f"{self.source.url}: tensor {entry.name!r} overflows its storage"
-                    )
-                what = f"chunk {index} of tensor {entry.name!r}"
-                into = memory[position : position + chunk.raw]
-                targets.append(ChunkRead(chunk, into, what, entry.pack_of(index)))
-                position += chunk.raw
-            if position != entry.nbytes:
-                raise IntegrityError(
-                    f"{self.source.url}: tensor {entry.name!r} has {position} of "
-                    f"{entry.nbytes} bytes"
-                )
+            targets += self._reads_into(entry, memory)
             out[entry.id] = storage
         await self.read(targets)
         return out
+
+    async def read_into(self, entry: fmt.Storage, memory: memoryview) -> None:
+        """Read and verify ``entry``'s bytes straight into ``memory`` (exactly its size):
+        a tensor's own memory, with no buffer between (raw local chunks land there with
+        one ``preadv``). On an error, ``memory`` may hold some of the bytes."""
+        if len(memory) != entry.nbytes:
+            raise ValueError(f"read_into: {len(memory)} bytes for a {entry.nbytes}-byte storage")
+        await self.read(self._reads_into(entry, memory))
+
+    def _reads_into(self, entry: fmt.Storage, memory: memoryview) -> list[ChunkRead]:
+        targets = []
+        position = 0
+        for index, chunk in enumerate(entry.chunks):
+            if position + chunk.raw > entry.nbytes:
+                raise IntegrityError(
+                    f"{self.source.url}: tensor {entry.name!r} overflows its storage"
+                )
+            what = f"chunk {index} of tensor {entry.name!r}"
+            into = memory[position : position + chunk.raw]
+            targets.append(ChunkRead(chunk, into, what, entry.pack_of(index)))
+            position += chunk.raw
+        if position != entry.nbytes:
+            raise IntegrityError(
+                f"{self.source.url}: tensor {entry.name!r} has {position} of {entry.nbytes} bytes"
+            )
+        return targets
 
 
 def fixed_storage(nbytes: int) -> tuple[torch.UntypedStorage, memoryview]:

@@ -29,11 +29,12 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     LoadPlanner,
+    ReadItem,
     SavePlan,
     SavePlanner,
     WriteItemType,
@@ -57,7 +58,7 @@ from ..checkpoint._distributed import (
 )
 from ..checkpoint._save import _config as _save_config
 from ..errors import IntegrityError, InvalidArgument, NotFound
-from ..stores import open_store
+from ..stores import Store, open_store
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -259,6 +260,7 @@ class StorageReader(_StorageReader):
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageReader")
         self.storage_data: dict[Any, tuple[str, str]] = {}
+        self._saved: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start reading a checkpoint (at ``checkpoint_id``, when given)."""
@@ -286,8 +288,14 @@ class StorageReader(_StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        """Keep where every item lies."""
+        """Keep where every item lies, and each saved shard's shape and dtype."""
         self.storage_data = dict(metadata.storage_data or {})
+        self._saved = {}
+        for fqn, meta in metadata.state_dict_metadata.items():
+            if isinstance(meta, TensorStorageMetadata):
+                for chunk in meta.chunks:
+                    key = (fqn, tuple(chunk.offsets))
+                    self._saved[key] = (tuple(chunk.sizes), meta.properties.dtype)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """This rank's plan, unchanged."""
@@ -297,49 +305,90 @@ class StorageReader(_StorageReader):
         """Every rank's plan, unchanged."""
         return plans
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read this rank's items: from each object, only the entries they lie in."""
-        assert self.url is not None
-        wanted: dict[str, list[Any]] = {}
-        for item in plan.items:
-            where = self.storage_data.get(item.storage_index)
-            if (
-                not isinstance(where, tuple)
-                or len(where) != 2
-                or not all(isinstance(part, str) for part in where)
-                or not RANK_OBJECT.match(where[0])
-            ):
-                raise IntegrityError(
-                    f"{self.url}/{METADATA} does not say where {item.storage_index} lies"
-                )
-            wanted.setdefault(where[0], []).append(item)
-        for name, items in wanted.items():
-            keys = sorted({self.storage_data[i.storage_index][1] for i in items})
-            loaded = run_sync(
-                _load(f"{self.url}/{name}", keys=keys, store_options=self.store_options)
+    def _entry(self, item: ReadItem) -> tuple[str, str]:
+        where = self.storage_data.get(item.storage_index)
+        if (
+            not isinstance(where, tuple)
+            or len(where) != 2
+            or not all(isinstance(part, str) for part in where)
+            or not RANK_OBJECT.match(where[0])
+        ):
+            raise IntegrityError(
+                f"{self.url}/{METADATA} does not say where {item.storage_index} lies"
             )
-            for item in items:
-                value = loaded[self.storage_data[item.storage_index][1]]
-                if item.type == LoadItemType.BYTE_IO:
-                    raw = (
-                        ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
-                    )
-                    planner.load_bytes(item, io.BytesIO(raw))
-                    continue
-                source = value
-                for dim, (start, length) in enumerate(
-                    zip(item.storage_offsets, item.lengths, strict=True)
-                ):
-                    source = source.narrow(dim, start, length)
-                target = planner.resolve_tensor(item).detach()
-                if target.size() != source.size():
-                    raise IntegrityError(
-                        f"{self.url}/{name}: item {item.storage_index} has shape "
-                        f"{tuple(source.size())}, the plan wants {tuple(target.size())}"
-                    )
-                target.copy_(source)
-                planner.commit_tensor(item, target)
+        return where
+
+    def _fills_whole(self, item: ReadItem, target: torch.Tensor) -> bool:
+        # The item is a whole saved shard, and the target the same shape and dtype,
+        # contiguous on the CPU: the shard's bytes can be read straight into it.
+        index = item.storage_index
+        saved = self._saved.get((index.fqn, tuple(index.offset or ())))
+        return (
+            saved is not None
+            and all(offset == 0 for offset in item.storage_offsets)
+            and tuple(item.lengths) == saved[0] == tuple(target.shape)
+            and target.dtype == saved[1]
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+        )
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read this rank's items: from each object, only the entries they lie in; a whole
+        shard straight into its target tensor's memory, with no copy in between."""
+        assert self.url is not None
+        wanted: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            wanted.setdefault(self._entry(item)[0], []).append(item)
+        store = open_store(self.url, **self.store_options)
+        try:
+            for name, items in wanted.items():
+                self._read_object(store, name, items, planner)
+        finally:
+            run_sync(store.aclose())
         return _done(None)
+
+    def _read_object(
+        self, store: Store, name: str, items: list[ReadItem], planner: LoadPlanner
+    ) -> None:
+        whole: dict[str, torch.Tensor] = {}
+        filled: list[tuple[ReadItem, torch.Tensor]] = []
+        rest: list[tuple[ReadItem, torch.Tensor | None]] = []
+        for item in items:
+            entry = self._entry(item)[1]
+            target = None
+            if item.type == LoadItemType.TENSOR:
+                target = planner.resolve_tensor(item).detach()
+                if entry not in whole and self._fills_whole(item, target):
+                    whole[entry] = target
+                    filled.append((item, target))
+                    continue
+            rest.append((item, target))
+        if whole:
+            run_sync(_load((store, name), into=whole))
+            for item, target in filled:
+                planner.commit_tensor(item, target)
+        if not rest:
+            return
+        keys = sorted({self._entry(item)[1] for item, _ in rest})
+        loaded = run_sync(_load((store, name), keys=keys))
+        for item, target in rest:
+            value = loaded[self._entry(item)[1]]
+            if target is None:  # bytes
+                raw = ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
+                planner.load_bytes(item, io.BytesIO(raw))
+                continue
+            source = value
+            for dim, (start, length) in enumerate(
+                zip(item.storage_offsets, item.lengths, strict=True)
+            ):
+                source = source.narrow(dim, start, length)
+            if target.size() != source.size():
+                raise IntegrityError(
+                    f"{self.url}/{name}: item {item.storage_index} has shape "
+                    f"{tuple(source.size())}, the plan wants {tuple(target.size())}"
+                )
+            target.copy_(source)
+            planner.commit_tensor(item, target)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
