@@ -128,8 +128,7 @@ def test_verify_passes_then_names_each_damaged_checkpoint(
     assert f"FAILED  {single}" in out
     assert "checksum" in out
 
-    # A byte of step 2's own pack: step 2 and step 3 (which points into it for "live"?
-    # no: step 3 rewrote "live") -- only the versions whose chunks lie there fail.
+    # A byte of step 2's own pack (its "live"; step 3 wrote its own): only step 2 fails.
     (pack,) = (run / "packs").glob("step-000000002-*.pack")
     flip(pack, pack.stat().st_size - 10)
     report = run_json(capsys, ["verify", str(run)], status=1)
