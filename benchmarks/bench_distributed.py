@@ -570,6 +570,7 @@ def run_ranks(config: dict[str, Any], tmp: Path, timeout: float) -> list[dict[st
             **os.environ,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(WORLD),  # as torchrun sets them
             "WORLD_SIZE": str(WORLD),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),

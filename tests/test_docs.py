@@ -16,6 +16,7 @@ DOCS = [
     ROOT / "docs" / "datasets.md",
     ROOT / "docs" / "checkpoints.md",
     ROOT / "docs" / "distributed.md",
+    ROOT / "docs" / "metrics.md",
 ]
 
 
