@@ -12,11 +12,11 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import AsyncStoreError
+from ..errors import AsyncStoreError as _AsyncStoreError
 from . import _bench, _cache, _cp, _demo, _inspect, _ls, _prune, _verify
-from ._common import fail
+from ._common import fail as _fail
 
-__all__ = ["main"]
+__all__ = ["main", "parser"]
 
 # The verbs, in the order ``asyncstore --help`` lists them.
 _VERBS = (_ls, _inspect, _verify, _cp, _prune, _cache, _bench, _demo)
@@ -39,8 +39,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.handler(args))
-    except AsyncStoreError as exc:
-        return fail(exc)
+    except _AsyncStoreError as exc:
+        return _fail(exc)
     except KeyboardInterrupt:
         return 130
 
