@@ -16,6 +16,9 @@ from asyncstore.cli._demo import _text
 from asyncstore.cli._demodata import SAMPLE_BYTES, dataset_prefix, decode, sample, upload
 from asyncstore.errors import InvalidArgument
 from asyncstore.stores import open_store
+from asyncstore.testing import SeaweedFS
+
+from .conftest import BUCKET, unique
 
 # 8 steps an epoch; saves at steps 5, 10 and 15, and at the last (16); the first run dies after
 # step 12, in the second epoch, so the first epoch completes cold.
@@ -109,6 +112,25 @@ def test_the_text_summary_says_what_happened(demo: tuple[Path, dict[str, Any]]) 
     assert "run 2 loaded step 10 (the newest version: 10)" in text
     assert "every sample once per epoch (2 epochs of 200)" in text
     assert "keep_last=2: steps 15 (local+mirror), 16 (local+mirror)" in text
+
+
+@pytest.mark.s3
+def test_demo_on_s3_with_url_and_options(
+    seaweedfs: SeaweedFS, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"s3://{BUCKET}/{unique('demo')}/"
+    options = [f"--option={k}={v}" for k, v in seaweedfs.store_options().items()]
+    argv = ["demo", "--dir", str(tmp_path), "--url", url, *options, "--json"]
+    argv += ["--samples", "100", "--batch-size", "25", "--epochs", "2"]
+    argv += ["--checkpoint-every", "2", "--kill-at-step", "5", "--keep-last", "2"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["dataset"]["url"] == f"{url}synthetic-100/"
+    assert summary["resume"]["resumed_from_step"] == summary["kill"]["newest_committed"] == 4
+    assert summary["exactly_once"] is True
+    assert summary["checkpoints"]["mirror"] == f"{url}checkpoints/"
+    assert summary["checkpoints"]["in_mirror"] == [6, 8]
+    assert [v["where"] for v in summary["checkpoints"]["versions"]] == ["both", "both"]
 
 
 @pytest.mark.anyio
