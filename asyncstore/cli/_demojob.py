@@ -273,6 +273,7 @@ def _train(spec: JobSpec, journal: _Journal) -> None:
         )
         pending: list[tuple[int, Future[SaveResult]]] = []
         workers_seen: dict[int, dict[str, Any]] = {}
+        batches: Iterator[Any] = iter(())
         total_steps = spec.epochs * steps_per_epoch
         with progress(total_steps - step, f"training (run {spec.run})", unit="step") as bar:
             for epoch in range(first_epoch, spec.epochs):

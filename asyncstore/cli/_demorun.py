@@ -105,6 +105,12 @@ def _train(spec: JobSpec, path: Path) -> int:
         raise
 
 
+def _say(line: str) -> None:
+    # On a terminal only, beside the progress bars: what happens between the two runs.
+    if sys.stderr.isatty():
+        print(f"\r\033[K{line}", file=sys.stderr)
+
+
 def _read(journal: Path) -> list[dict[str, Any]]:
     if not journal.exists():
         return []
@@ -151,6 +157,8 @@ def run_demo(config: DemoConfig) -> dict[str, Any]:
             how = f"was killed by signal {-status}" if status < 0 else f"exited with {status}"
             raise DemoFailed(f"training run {run} {how}; its error is above")
         runs.append(_read(journal))
+        if run == 1:
+            _say("training run 1 was killed with SIGKILL; starting run 2, which resumes")
     versions, in_mirror = asyncio.run(_versions(config, str(local), mirror))
     summary = _summarize(config, dataset, runs, versions, in_mirror)
     summary["store"] = store_url
@@ -276,7 +284,7 @@ def _summarize(
             "keep_last": config.keep_last,
             "versions": versions,
             "in_mirror": in_mirror,
-            "deleted_by_retention": done["stats"]["deleted"],
-            "uploads": done["stats"]["uploads"],
+            # The resumed run's Checkpointer.stats() (the killed run could not report its own).
+            "resumed_run_stats": done["stats"],
         },
     }
