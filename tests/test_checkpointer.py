@@ -3,6 +3,7 @@ verifies, against a local directory and a real S3 server."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import shutil
@@ -109,6 +110,34 @@ async def test_keep_last_one_keeps_only_the_newest(tmp_path: Path) -> None:
     async with Checkpointer(tmp_path, keep_last=1) as ckpt:
         for step in (0, 100, 200):
             await (await ckpt.save(state_of(step), step))
+    assert await assert_tidy(tmp_path) == ["step-000000200.ckpt"]
+
+
+async def test_saves_that_commit_out_of_order_keep_exactly_keep_last(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Step 100's commit is held back until step 200 has committed (a process's first save
+    # is often the slowest): retention must still keep only keep_last versions, and the
+    # stats must be current as soon as an awaited handle returns.
+    from asyncstore.checkpoint import _target
+
+    later_committed = asyncio.Event()
+    commit = _target.StoreSink.commit
+
+    async def held_back(self: _target.StoreSink) -> None:
+        if self.url.endswith("step-000000100.ckpt"):
+            await later_committed.wait()
+        await commit(self)
+
+    monkeypatch.setattr(_target.StoreSink, "commit", held_back)
+    async with Checkpointer(tmp_path, keep_last=1, differential=False) as ckpt:
+        first = await ckpt.save(state_of(100), 100)
+        second = await ckpt.save(state_of(200), 200)
+        await second
+        assert ckpt.stats().saves == 1  # counted before the awaited handle returned
+        later_committed.set()
+        await first
+        assert ckpt.stats().saves == 2
     assert await assert_tidy(tmp_path) == ["step-000000200.ckpt"]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -89,3 +90,8 @@ class SaveHandle:
     def cancel(self) -> None:
         """Abandon the save: nothing is committed, the previous checkpoint stays."""
         self._task.cancel()
+
+    def _when_done(self, callback: Callable[[asyncio.Task[SaveResult]], None]) -> None:
+        # Runs in the loop as the save ends, before the waiters that came after it: what
+        # the callback records is there when an awaited handle returns.
+        self._task.add_done_callback(callback)

@@ -35,7 +35,7 @@ from ..stores import CleansUpWrites, ObjectInfo, Store, open_store
 from . import _distributed as dist_layout
 from ._codec import Known
 from ._format import PACK_NAME
-from ._handle import SaveHandle
+from ._handle import SaveHandle, SaveResult
 from ._load import load as _load
 from ._load import verify as _verify
 from ._mirror import copy_version
@@ -286,6 +286,7 @@ class Checkpointer(AsyncResource):
         # Copies a load or verify found damaged, as (store URL, key), until saved again.
         self._damaged: set[tuple[str, str]] = set()
         self._stats = CheckpointerStats()
+        self._newest = -1  # the newest step this checkpointer committed
 
     @property
     def config(self) -> CheckpointerConfig:
@@ -370,10 +371,27 @@ class Checkpointer(AsyncResource):
             self._saving.discard(key)
             await self._packs.unpin(self._store, pins)
             raise
+        handle._when_done(lambda task: self._count(task, step))
         self._tasks.spawn(
             self._after_commit(handle, step, key, pins), name="retention", detached=True
         )
         return handle
+
+    def _count(self, task: asyncio.Task[SaveResult], step: int) -> None:
+        # As the save ends, before its awaiters resume: stats() is current once an awaited
+        # handle returns.
+        stats = self._stats
+        if task.cancelled() or task.exception() is not None:
+            stats.failed += 1
+            return
+        result = task.result()
+        stats.saves += 1
+        stats.blocking_seconds += result.snapshot_seconds
+        stats.last_blocking_seconds = result.snapshot_seconds
+        stats.last_total_seconds = result.total_seconds
+        stats.bytes_written += result.stored_bytes
+        stats.bytes_skipped += result.skipped_bytes
+        self._newest = max(self._newest, step)
 
     async def _base(self) -> tuple[Known, int]:
         # What a differential save builds on: the chunks of the newest version here whose
@@ -402,24 +420,19 @@ class Checkpointer(AsyncResource):
         # it alone meanwhile.
         try:
             try:
-                result = await handle.wait()
+                await handle.wait()  # counted in the stats by _count
             except BaseException:
-                self._stats.failed += 1
                 return  # the save's own error goes to whoever awaits its handle
             finally:
                 await self._packs.unpin(self._store, pins)  # named by a committed version now
-            stats = self._stats
-            stats.saves += 1
-            stats.blocking_seconds += result.snapshot_seconds
-            stats.last_blocking_seconds = result.snapshot_seconds
-            stats.last_total_seconds = result.total_seconds
-            stats.bytes_written += result.stored_bytes
-            stats.bytes_skipped += result.skipped_bytes
             if self._mirror is not None:
                 await self._upload(key, time.time())
         finally:
             self._saving.discard(key)
-        await self._retain(newest=step)
+        # Up to the newest version this checkpointer committed: saves may commit out of
+        # order (the first of a process is slower), and a later one's retention ran before
+        # this version was there to count.
+        await self._retain(newest=max(step, self._newest))
 
     def stats(self) -> CheckpointerStats:
         """A snapshot of what this checkpointer did: saves, blocking and total seconds,
@@ -890,7 +903,8 @@ class Checkpointer(AsyncResource):
             if earlier < step:
                 await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
         self._stats.saves += 1
-        self._tasks.spawn(self._retain(newest=step), name="retention", detached=True)
+        self._newest = max(self._newest, step)
+        self._tasks.spawn(self._retain(newest=self._newest), name="retention", detached=True)
 
     async def gc(self) -> int:
         """Remove what killed saves and uploads left, here and on the mirror: temp files and
