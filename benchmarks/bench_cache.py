@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from _plots import publish, today
 from _report import machine, record
 
 import asyncstore
@@ -156,6 +157,34 @@ def main() -> int:
 
     if args.write:
         record("bench_cache", "Cache", lines)
+        *policies, (_, optimum) = hits
+        publish(
+            "bench_cache",
+            {
+                "date": today(),
+                "machine": machine(),
+                "objects": n,
+                "object_bytes": args.object_size,
+                "reads": [
+                    {
+                        "read": name,
+                        "per_s": n / seconds,
+                        "cache": "cache" in name or "tier" in name,
+                        "limit": "(the limit)" in name,
+                    }
+                    for name, seconds in rows
+                ],
+                "hit_rates": {
+                    "epochs": 3,
+                    "objects": n,
+                    "capacity": n // 2,
+                    "policies": [
+                        {"policy": name.split("'")[1], "hit_rate": rate} for name, rate in policies
+                    ],
+                    "optimum": optimum,
+                },
+            },
+        )
     return 0
 
 

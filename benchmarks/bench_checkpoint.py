@@ -50,6 +50,7 @@ from typing import Any, Literal
 
 import torch
 from _baselines import aiobotocore_client, multipart_put
+from _plots import publish, today
 from _report import machine, record
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -218,7 +219,15 @@ def _memview(flat: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -> dict[str, float]:
+def run_saves(
+    label: str,
+    state: dict[str, torch.Tensor],
+    tmp: Path,
+    say: Say,
+    chart: dict[str, Any] | None = None,
+) -> dict[str, float]:
+    """Saves of ``state`` by every writer, then loads; the table through ``say``, and the
+    writers' blocking and total times into ``chart[label]`` (for the chart) when given."""
     size = nbytes(state)
     results: dict[str, list[float]] = {}
 
@@ -319,16 +328,22 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
     say("| writer | blocking | total | total vs raw write | notes |")
     say("|---|---:|---:|---:|---|")
 
-    def row(name: str, blocking: float | None, total: float, extra: str = "") -> None:
+    chart_rows: list[dict[str, Any]] = []
+
+    def row(
+        name: str, blocking: float | None, total: float, extra: str = "", short: str = ""
+    ) -> None:
+        chart_rows.append({"writer": short or name, "blocking": blocking, "total": total})
         block = f"{blocking:.2f} s" if blocking is not None else ""
         say(f"| {name} | {block} | {total:.2f} s | {total / raw:.2f}x | {extra} |")
 
-    row("raw write + fsync of the same bytes (the limit)", None, raw)
+    row("raw write + fsync of the same bytes (the limit)", None, raw, short="raw write + fsync")
     row(
         "O_DIRECT write + fsync of the same bytes from aligned memory (the device's limit)",
         None,
         direct,
         f"{direct / raw:.2f}x the buffered write",
+        short="O_DIRECT write + fsync",
     )
     row("torch.save + fsync", med("torch.save total"), med("torch.save total"))
     for attempt in ("first", "later"):
@@ -357,7 +372,10 @@ def run_saves(label: str, state: dict[str, torch.Tensor], tmp: Path, say: Say) -
                 blocking,
                 med(f"{name} total"),
                 extra,
+                short=f"asyncstore save, {compression!r} ({attempt})",
             )
+    if chart is not None:
+        chart[label] = {"mib": size / MiB, "raw_total": raw, "rows": chart_rows}
     torch_once()  # the file the loads below read
     summary = {name: med(name) for name in results}
     say()
@@ -1181,11 +1199,12 @@ def main() -> int:
             return 0
         run_small_loads(tmp, say)
         fp32 = transformer_state(size, torch.float32)
-        run_saves("fp32", fp32, tmp, say)
+        saves: dict[str, Any] = {}
+        run_saves("fp32", fp32, tmp, say, saves)
         del fp32
         gc.collect()
         bf16 = transformer_state(size, torch.bfloat16)
-        run_saves("bf16", bf16, tmp, say)
+        run_saves("bf16", bf16, tmp, say, saves)
         run_s3(bf16, tmp, say)
         del bf16
         gc.collect()
@@ -1193,6 +1212,7 @@ def main() -> int:
         simulate(sim, tmp, say, args.steps or 800, args.every or 200)
     if args.write:
         record("bench_checkpoint", "Checkpoints", lines)
+        publish("bench_checkpoint", {"date": today(), "machine": machine(), "saves": saves})
     return 0
 
 

@@ -22,9 +22,10 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+from _plots import publish, today
 from _report import machine, record
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
@@ -174,10 +175,16 @@ def plain_reads(paths: list[Path], seed: int) -> float:
 
 
 def run_larger_than_memory(
-    tmp: Path, contents: dict[str, bytes], workers_list: list[int], memory: int, say: Say
+    tmp: Path,
+    contents: dict[str, bytes],
+    workers_list: list[int],
+    memory: int,
+    say: Say,
+    chart: dict[str, Any] | None = None,
 ) -> None:
     """Warm epochs over a local directory at least three times the memory tier: most reads
-    come from the disk tier, and the memory policy decides which ones do not."""
+    come from the disk tier, and the memory policy decides which ones do not. The figures
+    go into ``chart`` too when one is given."""
     source = tmp / "local-source"
     for key, data in contents.items():
         (source / key).parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +214,7 @@ def run_larger_than_memory(
         "| memory hits | disk hits | store fetches |"
     )
     say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows: list[dict[str, Any]] = []
     for workers in workers_list:
         memory_loader = loader_for(InMemory(list(contents.items())), workers)
         ceiling = statistics.median(n / epoch(memory_loader, n) for _ in range(3))
@@ -245,9 +253,21 @@ def run_larger_than_memory(
                 f"{in_loader:,.0f} | {warm / in_loader:.2f}x | {ceiling:,.0f} | "
                 f"{warm / ceiling:.2f}x {hits} |"
             )
+            rows.append(
+                {
+                    "policy": policy,
+                    "workers": workers,
+                    "first": first,
+                    "warm": warm,
+                    "in_loader": in_loader,
+                    "ceiling": ceiling,
+                }
+            )
             ds.close()
             del loader
     say()
+    if chart is not None:
+        chart.update(total_mb=total / 1e6, memory_mb=memory / 1e6, plain_per_s=plain, rows=rows)
 
 
 def synthetic_key(i: int) -> str:
@@ -533,6 +553,7 @@ def main() -> int:
                 f"{store_rate / baseline:.2f}x | 1.00x | | | |"
             )
             runs = {}
+            epochs: list[dict[str, Any]] = []
             for workers in args.workers:
                 memory_loader = loader_for(InMemory(list(contents.items())), workers)
                 ceiling = statistics.median(n / epoch(memory_loader, n) for _ in range(3))
@@ -553,6 +574,7 @@ def main() -> int:
                     ds.set_epoch(number)
                     warms.append(n / epoch(loader, len(ds)))
                 warm = statistics.median(warms)
+                epochs.append({"workers": workers, "cold": cold, "warm": warms, "ceiling": ceiling})
                 say(
                     f"| StreamingDataset, num_workers={workers} | {cold:,.0f} | {warm:,.0f} | "
                     f"{cold / baseline:.2f}x | {cold / store_rate:.2f}x | {warm / cold:.1f}x | "
@@ -592,12 +614,29 @@ def main() -> int:
                 )
                 ds.close()
             say()
-            run_larger_than_memory(Path(tmp), contents, args.workers, args.memory_mb * 10**6, say)
+            larger: dict[str, Any] = {}
+            run_larger_than_memory(
+                Path(tmp), contents, args.workers, args.memory_mb * 10**6, say, larger
+            )
         finally:
             server.stop(timeout=1.0)
 
     if args.write:
         record("bench_dataset", "Datasets", lines)
+        publish(
+            "bench_dataset",
+            {
+                "date": today(),
+                "machine": machine(),
+                "objects": n,
+                "object_bytes": args.object_size,
+                "batch": BATCH,
+                "baseline_per_s": baseline,
+                "store_per_s": store_rate,
+                "epochs": epochs,
+                "larger_than_memory": larger,
+            },
+        )
     return 0
 
 

@@ -21,10 +21,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiobotocore
 import botocore
 from _baselines import aiobotocore_client, multipart_put
+from _plots import publish, today
 from _report import machine, record
 
 import asyncstore
@@ -140,6 +142,9 @@ def main() -> int:
     args = parser.parse_args()
 
     lines: list[str] = []
+    # The figures behind the tables, for benchmarks/results/ and the chart.
+    small: dict[str, Any] = {"objects": args.objects, "object_bytes": args.object_size}
+    large: dict[str, Any] = {"mib": args.large_mib, "part_mib": PART // MiB, "repeat": args.repeat}
 
     def say(line: str = "") -> None:
         print(line, flush=True)
@@ -162,12 +167,17 @@ def main() -> int:
             say("| client | in flight | put objects/s | get objects/s | get vs sequential |")
             say("|---|---:|---:|---:|---:|")
             base_put, base_get = botocore_sequential(server, "seq", payloads)
+            small["baseline"] = {"put_per_s": n / base_put, "get_per_s": n / base_get}
+            small["asyncstore"] = []
             say(
                 f"| botocore, sequential loop (baseline) | 1 | {n / base_put:,.0f} | "
                 f"{n / base_get:,.0f} | 1.00x |"
             )
             for c in args.concurrency:
                 put, get = asyncio.run(asyncstore_small(server, f"c{c}", payloads, c))
+                small["asyncstore"].append(
+                    {"inflight": c, "put_per_s": n / put, "get_per_s": n / get}
+                )
                 say(
                     f"| asyncstore S3Store | {c} | {n / put:,.0f} | {n / get:,.0f} | "
                     f"{base_get / get:.2f}x |"
@@ -214,11 +224,19 @@ def main() -> int:
             )
             say(f"| asyncstore `put` / `get` (defaults) | {mb / op:,.0f} | {mb / og:,.0f} |")
             say(f"| ratio asyncstore / baseline | {hp / op:.2f}x | {hg / og:.2f}x |")
+            large["baseline_put_inflight"] = defaults.upload_max_inflight
+            large["baseline_get_inflight"] = defaults.max_inflight
+            large["baseline"] = {"put_mb_s": mb / hp, "get_mb_s": mb / hg}
+            large["asyncstore"] = {"put_mb_s": mb / op, "get_mb_s": mb / og}
         finally:
             server.stop(timeout=1.0)
 
     if args.write:
         record("bench_store", "Stores", lines)
+        publish(
+            "bench_store",
+            {"date": today(), "machine": machine(), "small": small, "large": large},
+        )
     return 0
 
 
