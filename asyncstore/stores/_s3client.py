@@ -16,6 +16,8 @@ import os
 import threading
 from typing import TYPE_CHECKING, Any
 
+from botocore import exceptions as bex
+
 from ..errors import StoreError
 from . import _redact
 from ._s3fast import SignedGetter
@@ -90,6 +92,24 @@ async def _keep_credentials_out_of_logs(session: Any, config: S3Config) -> None:
     _redact.install()
 
 
+class NoCredentials(Exception):
+    """No credentials were found to sign requests with (the store says for which object)."""
+
+
+def no_credentials_message(where: str, endpoint: str | None) -> str:
+    """What a :class:`PermissionDenied` for missing credentials says: where asyncstore
+    looked, in the order it looks."""
+    return (
+        f"{where}: no credentials to sign requests to {endpoint or 'AWS S3'} with. "
+        "asyncstore looks for them, in this order, in the store options "
+        "aws_access_key_id/aws_secret_access_key (and aws_session_token), the environment "
+        "variables AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN), the "
+        "shared config files ~/.aws/credentials and ~/.aws/config (or the files that "
+        "AWS_SHARED_CREDENTIALS_FILE and AWS_CONFIG_FILE name; the profile option or "
+        "AWS_PROFILE picks the profile), then container or instance metadata: set one of them"
+    )
+
+
 async def open_client(
     config: S3Config, endpoint: str | None, bucket: str, url: str
 ) -> tuple[Any, Any, SignedGetter]:
@@ -97,8 +117,8 @@ async def open_client(
     closes it), the client, and the fast GET path beside it.
 
     Raises:
-        StoreError: the client cannot be created, or requests cannot be signed (no
-            credentials).
+        NoCredentials: no credentials were found (the caller names the object).
+        StoreError: the client cannot be created, or requests cannot be signed.
     """
     from aiobotocore.config import AioConfig
 
@@ -138,6 +158,8 @@ async def open_client(
         fast = await SignedGetter.create(client, session, bucket, config)
     except Exception as exc:
         await cm.__aexit__(None, None, None)
+        if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
+            raise NoCredentials(describe(exc)) from exc
         raise StoreError(
             f"cannot sign requests for {url}: {describe(exc)}; check that "
             "credentials are configured (options, environment or AWS profile)"

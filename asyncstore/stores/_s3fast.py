@@ -22,6 +22,7 @@ import yarl
 from botocore.auth import S3SigV4Auth
 from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
+from botocore.exceptions import NoCredentialsError
 
 _PLACEHOLDER = "asyncstore-probe-key"
 _XML_CODE = re.compile(rb"<Code>([^<]*)</Code>")
@@ -82,7 +83,7 @@ class SignedGetter:
         else:
             credentials = await session.get_credentials()
             if credentials is None:
-                raise ValueError("no credentials")
+                raise NoCredentialsError()
         return cls(
             base,
             credentials,

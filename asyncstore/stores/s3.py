@@ -32,7 +32,7 @@ from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, St
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key, check_prefix
 from ._retry import with_retries
-from ._s3client import open_client, resolved_endpoint
+from ._s3client import NoCredentials, no_credentials_message, open_client, resolved_endpoint
 from ._s3fast import S3HTTPError, SignedGetter
 from ._s3read import S3Reader
 from ._s3responses import (
@@ -187,7 +187,7 @@ class S3Store(BaseStore):
     async def _on_open(self) -> None:
         await self._get_client()
 
-    async def _get_client(self) -> Any:
+    async def _get_client(self, key: str = "") -> Any:
         if self._client is not None:
             if self._client_loop is not asyncio.get_running_loop():
                 raise self._wrong_loop()
@@ -195,9 +195,13 @@ class S3Store(BaseStore):
         async with self._client_lock:
             self._check_open()
             if self._client is None:
-                cm, client, self._fast = await open_client(
-                    self._config, self._endpoint, self._bucket, self.url
-                )
+                try:
+                    cm, client, self._fast = await open_client(
+                        self._config, self._endpoint, self._bucket, self.url
+                    )
+                except NoCredentials as exc:
+                    where = self.where(key) if key else self.url
+                    raise PermissionDenied(no_credentials_message(where, self._endpoint)) from exc
                 self._client_cm, self._client = cm, client
                 self._client_loop = asyncio.get_running_loop()
         if self._client_loop is not asyncio.get_running_loop():
@@ -247,6 +251,8 @@ class S3Store(BaseStore):
         where = self.where(key) if key else self.url
         if isinstance(exc, Precondition):
             return StoreError(f"{where} kept changing while it was read; retry when it is stable")
+        if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
+            return PermissionDenied(no_credentials_message(where, self._endpoint))
         code, status = error_code(exc)
         if code == "NoSuchBucket":
             return NotFound(
@@ -271,7 +277,7 @@ class S3Store(BaseStore):
         self, key: str, what: str, attempt: Callable[[Any], Awaitable[_T]], *, slot: bool = True
     ) -> _T:
         """Run ``attempt(client)`` with retries, inside a request slot, translating errors."""
-        client = await self._get_client()
+        client = await self._get_client(key)
 
         async def once() -> _T:
             if not slot:
