@@ -17,6 +17,7 @@ DOCS = [
     ROOT / "docs" / "checkpoints.md",
     ROOT / "docs" / "distributed.md",
     ROOT / "docs" / "metrics.md",
+    ROOT / "docs" / "quickstart.md",
 ]
 
 
