@@ -6,14 +6,22 @@ import contextlib
 import json
 import multiprocessing
 import os
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+import sys
+import warnings
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized
 from pathlib import Path
+from types import FrameType
 from typing import Any, Generic, Literal, TypeVar
 
 import msgspec
 import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
+
+try:  # only to tell the DataLoader's batch size (see _loader_batch)
+    from torch.utils.data._utils.fetch import _IterableDatasetFetcher
+except ImportError:  # pragma: no cover - a torch without it: the check is skipped
+    _IterableDatasetFetcher = None  # type: ignore[assignment,misc]
 
 from .._config import DatasetConfig, build
 from .._keyindex import KeyIndex, build_index, write_index
@@ -341,6 +349,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             yield from self._keys.take(part)
 
     def __iter__(self) -> Iterator[T]:
+        # Runs at the first next(): the caller is then the DataLoader's fetcher, if any.
+        self._check_loader_batch(sys._getframe(1))
         keys = self._worker_keys()
         self._yielded = 0
         conn = self._connection()
@@ -365,6 +375,28 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                 self._totals[slot] += stats.prefetch.items
                 self._totals[slot + 1] += stats.prefetch.stalls
                 self._totals[slot + 2] += round(stats.prefetch.wait_seconds * 1e6)
+
+    def _check_loader_batch(self, caller: FrameType | None) -> None:
+        # Workers take whole batches of the dataset's batch_size in turn, while the
+        # DataLoader takes batches of its own from each worker in turn: with two workers or
+        # more, unequal sizes interleave the workers' streams out of the plan's order, and a
+        # position counted in the loader's batches resumes somewhere else. Nothing fails, so
+        # say it, once per DataLoader (from its first worker).
+        info = get_worker_info()
+        if info is None or info.num_workers < 2 or info.id != 0:
+            return
+        loader = _loader_batch(caller)
+        if loader is None or loader == self._batch:
+            return
+        warnings.warn(
+            f"StreamingDataset(batch_size={self._batch}) is read by a DataLoader with "
+            f"batch_size={loader} and {info.num_workers} workers: its samples come out in "
+            "a different order from ds.plan(), and a state_dict() saved from this loop does "
+            "not resume exactly. Pass the DataLoader's batch size to the dataset: "
+            f"StreamingDataset(..., batch_size={loader}).",
+            UserWarning,
+            stacklevel=2,
+        )
 
     def _connection(self) -> _Connection:
         # One store and cache per process, kept across epochs (the memory tier stays warm
@@ -418,6 +450,24 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             stall_fraction=stalls / samples if samples else 0.0,
             wait_seconds=waited / 1e6,
         )
+
+
+def _loader_batch(caller: FrameType | None) -> int | None:
+    """The batch size of the DataLoader whose fetcher is ``caller``, or None if it is not one.
+
+    The DataLoader hands its batch size to no dataset, and a worker cannot reach the
+    DataLoader; but its fetcher asks the dataset for one batch at a time, holding that
+    batch's indices (one per sample) in ``possibly_batched_index``.
+    """
+    if caller is None or _IterableDatasetFetcher is None:
+        return None
+    fetcher = caller.f_locals.get("self")
+    if not isinstance(fetcher, _IterableDatasetFetcher):
+        return None  # iterated by hand, or by another loader
+    if not fetcher.auto_collation:
+        return 1  # batch_size=None: the DataLoader takes one sample at a time
+    indices = caller.f_locals.get("possibly_batched_index")
+    return len(indices) if isinstance(indices, Sized) else None
 
 
 class _Connection:
