@@ -28,6 +28,7 @@ import anyio
 import msgspec
 from botocore import exceptions as bex
 
+from .._concurrency import shield
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key, check_prefix
@@ -107,6 +108,12 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     read_timeout: Annotated[float, msgspec.Meta(gt=0)] = 60.0
     """Seconds to wait for the next bytes of a response before retrying the request."""
 
+    create: bool = False
+    """Create the bucket when the store is first used (or opened with ``async with``) and
+    it does not exist yet; a bucket that exists, or that another process creates at the
+    same moment, is used as it is. Off by default: a misspelt bucket name should fail,
+    not create a second bucket. Creating needs the ``s3:CreateBucket`` permission."""
+
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     """``auto`` uses path-style URLs with a custom ``endpoint_url`` (what S3-compatible
     servers expect) and botocore's choice otherwise."""
@@ -149,6 +156,10 @@ class S3Store(BaseStore):
         self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
         self._client_loop: asyncio.AbstractEventLoop | None = None
+        # Whether the bucket is known to exist: checked (and created) once with create=True,
+        # and once on the first missing key, to tell a missing bucket from a missing key.
+        self._bucket_exists = False
+        self._bucket_lock = anyio.Lock()
         # Writers still open: aclose() aborts their uploads while it still has a client.
         self._writers: weakref.WeakSet[S3Writer] = weakref.WeakSet()
 
@@ -185,7 +196,13 @@ class S3Store(BaseStore):
     # -- client ------------------------------------------------------------------------------
 
     async def _on_open(self) -> None:
-        await self._get_client()
+        try:
+            await self._get_client()
+        except BaseException:
+            # 'async with' failed (creating the bucket, say): no aclose() will follow, so
+            # let go of the client here. Used again, the store makes a new one.
+            await shield(self._release_client())
+            raise
 
     async def _get_client(self, key: str = "") -> Any:
         if self._client is not None:
@@ -206,7 +223,74 @@ class S3Store(BaseStore):
                 self._client_loop = asyncio.get_running_loop()
         if self._client_loop is not asyncio.get_running_loop():
             raise self._wrong_loop()  # created by another loop while this one waited
-        return self._client
+        client = self._client
+        if self._config.create and not self._bucket_exists:
+            async with self._bucket_lock:
+                if not self._bucket_exists:
+                    await self._create_bucket(client)
+                    self._bucket_exists = True
+        return client
+
+    async def _create_bucket(self, client: Any) -> None:
+        """Create the bucket unless it exists (``create=True``); idempotent across processes.
+
+        Raises:
+            PermissionDenied: the credentials may not create buckets.
+            StoreError: the name belongs to another account.
+        """
+        if await self._bucket_found(client):
+            return
+
+        async def create(client: Any) -> None:
+            region = getattr(client.meta, "region_name", None)
+            extra: dict[str, Any] = {}
+            if self._endpoint is None and region and region != "us-east-1":
+                # AWS wants the region spelt out everywhere but in us-east-1.
+                extra["CreateBucketConfiguration"] = {"LocationConstraint": region}
+            try:
+                await client.create_bucket(Bucket=self._bucket, **extra)
+            except bex.ClientError as exc:
+                if error_code(exc)[0] != "BucketAlreadyOwnedByYou":
+                    raise  # created meanwhile by another process: what was asked for
+
+        server = self._endpoint or "AWS"
+        try:
+            await self._call_with(client, "", "create bucket", create)
+        except PermissionDenied as exc:
+            raise PermissionDenied(
+                f"{self.url}: not allowed to create bucket {self._bucket!r} at {server} "
+                f"({exc}); create it with credentials that may (s3:CreateBucket), or ask its "
+                "owner to"
+            ) from exc
+        except StoreError as exc:
+            if "BucketAlreadyExists" not in str(exc) or await self._bucket_found(client):
+                raise
+            raise StoreError(
+                f"{self.url}: bucket name {self._bucket!r} is taken by another account at "
+                f"{server}; choose another name"
+            ) from exc
+
+    async def _bucket_found(self, client: Any) -> bool | None:
+        """Whether the bucket exists (HEAD); ``None`` when the HEAD is denied."""
+
+        async def head(client: Any) -> None:
+            await client.head_bucket(Bucket=self._bucket)
+
+        try:
+            await self._call_with(client, "", "check bucket", head)
+        except NotFound:
+            return False
+        except PermissionDenied:
+            return None
+        return True
+
+    def _missing_bucket(self, key: str) -> NotFound:
+        what = f" (asked for {self.where(key)})" if key else ""
+        return NotFound(
+            f"bucket {self._bucket!r} does not exist at {self._endpoint or 'AWS'}{what}: it is "
+            "the bucket that is missing, not the key. Check its name, or create it: "
+            f"open_store({self.url!r}, create=True, ...) creates it on first use"
+        )
 
     def _wrong_loop(self) -> StoreError:
         # Not recreated on the new loop: the old client's connections belong to the old loop
@@ -224,6 +308,9 @@ class S3Store(BaseStore):
         # requested after this point is refused, as the store is already marked closed.
         for writer in list(self._writers):
             await writer.abort_now()
+        await self._release_client()
+
+    async def _release_client(self) -> None:
         async with self._client_lock:
             cm, self._client, self._client_cm = self._client_cm, None, None
             fast, self._fast = self._fast, None
@@ -255,10 +342,7 @@ class S3Store(BaseStore):
             return PermissionDenied(no_credentials_message(where, self._endpoint))
         code, status = error_code(exc)
         if code == "NoSuchBucket":
-            return NotFound(
-                f"bucket {self._bucket!r} does not exist at {self._endpoint or 'AWS'}; "
-                "create it first"
-            )
+            return self._missing_bucket(key)
         if code in NOT_FOUND_CODES or status == 404:
             return NotFound(f"{where} does not exist")
         if code in DENIED_CODES or status == 403:
@@ -277,8 +361,17 @@ class S3Store(BaseStore):
         self, key: str, what: str, attempt: Callable[[Any], Awaitable[_T]], *, slot: bool = True
     ) -> _T:
         """Run ``attempt(client)`` with retries, inside a request slot, translating errors."""
-        client = await self._get_client(key)
+        return await self._call_with(await self._get_client(key), key, what, attempt, slot=slot)
 
+    async def _call_with(
+        self,
+        client: Any,
+        key: str,
+        what: str,
+        attempt: Callable[[Any], Awaitable[_T]],
+        *,
+        slot: bool = True,
+    ) -> _T:
         async def once() -> _T:
             if not slot:
                 return await attempt(client)
@@ -426,7 +519,16 @@ class S3Store(BaseStore):
             head = await client.head_object(Bucket=self._bucket, Key=self._root + key)
             return object_info(key, head)
 
-        return await self._call(key, "stat", attempt)
+        try:
+            return await self._call(key, "stat", attempt)
+        except NotFound:
+            # A HEAD answers a bare 404 for a missing bucket too: tell the two apart, once.
+            if self._bucket_exists:
+                raise
+            if await self._bucket_found(await self._get_client(key)) is False:
+                raise self._missing_bucket(key) from None
+            self._bucket_exists = True
+            raise
 
     async def _delete(self, key: str) -> None:
         async def attempt(client: Any) -> None:
