@@ -214,8 +214,11 @@ async def load(
             a crafted checkpoint cannot run code). ``False`` unpickles anything: only for
             checkpoints you trust.
         keys: for a saved dict, load only these entries; only their chunks are read.
-        into: a dict of existing tensors (a model's ``state_dict()``) to fill in place,
-            one storage at a time: no second copy of the model is made. Returns ``into``.
+        into: a dict of existing tensors (a model's ``state_dict()``, or a dict of them
+            such as ``{"model": model.state_dict(), "step": 0}``) to fill in place, one
+            storage at a time: no second copy of the model is made. Dicts, lists and tuples
+            inside it are filled at any depth; other values are replaced by the saved ones.
+            Returns ``into``.
         safe_globals: extra classes or functions ``weights_only=True`` may unpickle.
         store_options: options for ``open_store`` when ``source`` is a URL or path.
 
@@ -302,19 +305,18 @@ async def _load(
             )
         needed = {sid for k in wanted for sid in manifest.entries[k]}
     structure = await reader.structure()
-    storages: dict[int, torch.UntypedStorage] = {}
     if into is not None:
-        # Tensors of into= are filled in place, one storage at a time, later; entries that
-        # replace non-tensor values (a nested dict, a step count) are loaded as keys= does.
+        # Tensors of into= are filled in place, one storage at a time, later. An entry whose
+        # value in into= is a plain value (a step count, None) is replaced whole: its
+        # storages are read with the structure, as keys= does.
         assert manifest.entries is not None
         needed = {
             sid
             for key, value in into.items()
-            if not isinstance(value, torch.Tensor)
+            if not isinstance(value, torch.Tensor | dict | list | tuple)
             for sid in manifest.entries[key]
         }
-    for sid, storage in (await reader.storages([by_id[i] for i in sorted(needed)])).items():
-        storages[sid] = _to(storage, _device_for(by_id[sid].location, map_location))
+    storages = await _read(reader, by_id, needed, map_location)
     meta: dict[int, int] = {}  # meta storage's C pointer -> storage id (for into=)
 
     def persistent_load(pid: Any) -> Any:
@@ -332,109 +334,254 @@ async def _load(
             wrap_storage=storage, dtype=dtype_of(dtype), _internal=True
         )
 
-    stream = io.BytesIO(structure)
-    unpickler = (
-        RestrictedUnpickler(stream, persistent_load, src.url, safe_globals)
-        if weights_only
-        else PlainUnpickler(stream, persistent_load)
-    )
-    try:
-        # In a thread: the checked unpickler is pure Python, and a structure of 100,000
-        # tensors would hold the event loop for seconds (torch.save files load there too).
-        obj = await to_thread(unpickler.load)
-    except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
-        raise
-    except Exception as exc:
-        raise IntegrityError(f"{src.url}: the pickled structure cannot be loaded ({exc})") from exc
+    async def unpickle() -> Any:
+        meta.clear()
+        stream = io.BytesIO(structure)
+        unpickler = (
+            RestrictedUnpickler(stream, persistent_load, src.url, safe_globals)
+            if weights_only
+            else PlainUnpickler(stream, persistent_load)
+        )
+        try:
+            # In a thread: the checked unpickler is pure Python, and a structure of 100,000
+            # tensors would hold the event loop for seconds (torch.save files load there too).
+            return await to_thread(unpickler.load)
+        except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
+            raise
+        except Exception as exc:
+            raise IntegrityError(
+                f"{src.url}: the pickled structure cannot be loaded ({exc})"
+            ) from exc
+
+    obj = await unpickle()
     if wanted is None:
         return obj
     if into is None:
-        _check_read(src.url, meta, {k: obj[k] for k in wanted})
+        _check_read(src.url, meta, [(k, obj[k]) for k in wanted])
         return type(obj)((k, obj[k]) for k in wanted)
-    _check_read(src.url, meta, {k: obj[k] for k in into if not isinstance(into[k], torch.Tensor)})
-    await _fill(reader, by_id, obj, into, meta, src.url)
+    plan = _plan(obj, into)
+    # Values that replace what into= holds (an entry the checkpoint has and into='s dict
+    # lacks, a list where into= has None) are new objects: their tensors need their bytes.
+    # They are found only now, in the structure: read their storages and unpickle again.
+    more = _placeholders(src.url, meta, plan, manifest.entries)
+    if more:
+        storages.update(await _read(reader, by_id, more, map_location))
+        obj = await unpickle()
+        plan = _plan(obj, into)
+    _check_read(src.url, meta, [(top, value) for top, _, _, value in plan.sets])
+    await _fill(reader, by_id, plan, meta, src.url)
     return into
 
 
-def _check_read(url: str, meta: dict[int, int], entries: dict[str, Any]) -> None:
+async def _read(
+    reader: ChunkReader, by_id: dict[int, fmt.Storage], sids: set[int], map_location: Any
+) -> dict[int, torch.UntypedStorage]:
+    read = await reader.storages([by_id[i] for i in sorted(sids)])
+    return {
+        sid: _to(storage, _device_for(by_id[sid].location, map_location))
+        for sid, storage in read.items()
+    }
+
+
+class _Plan:
+    """What ``into=`` gets from a loaded object, worked out before anything is changed (a
+    mismatch anywhere leaves ``into`` as it was): the tensors to fill in place, as
+    ``(path, loaded, target)``, and the values to store, as ``(top-level key, container,
+    key or index, value)``."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self.sets: list[tuple[str, Any, Any, Any]] = []
+
+
+def _plan(obj: Mapping[str, Any], into: dict[str, Any]) -> _Plan:
+    plan = _Plan()
+    for key, target in into.items():
+        value = _merge(obj[key], target, f"into[{key!r}]", plan, key)
+        if value is not target:
+            plan.sets.append((key, into, key, value))
+    return plan
+
+
+def _merge(loaded: Any, target: Any, path: str, plan: _Plan, top: str) -> Any:
+    """What takes ``target``'s place (``target`` itself when it is filled in place):
+    tensors are paired with the saved ones, dicts, lists and tuples are gone through at
+    any depth, any other value is replaced by the saved one."""
+    if isinstance(target, torch.Tensor):
+        if not isinstance(loaded, torch.Tensor):
+            raise InvalidArgument(
+                f"{path} is a tensor, but the checkpoint holds a {type(loaded).__name__} there"
+            )
+        _check_pair(path, loaded, target)
+        plan.pairs.append((path, loaded, target))
+        return target
+    if isinstance(target, dict) and isinstance(loaded, Mapping):
+        lacking = [k for k in target if k not in loaded]
+        if lacking:
+            some = ", ".join(repr(k) for k in list(loaded)[:8])
+            raise InvalidArgument(
+                f"{path} has entries {lacking!r} that the checkpoint lacks there (it has "
+                f"{some}{', …' if len(loaded) > 8 else ''}); remove them from into="
+            )
+        for key, value in loaded.items():
+            old = target.get(key, _MISSING)
+            new = value if old is _MISSING else _merge(value, old, f"{path}[{key!r}]", plan, top)
+            if new is not old:
+                plan.sets.append((top, target, key, new))
+        return target
+    if (
+        isinstance(target, list | tuple)
+        and isinstance(loaded, list | tuple)
+        and len(target) == len(loaded)
+    ):
+        items = [
+            _merge(value, old, f"{path}[{i}]", plan, top)
+            for i, (value, old) in enumerate(zip(loaded, target, strict=True))
+        ]
+        if isinstance(target, list):
+            for i, (new, old) in enumerate(zip(items, target, strict=True)):
+                if new is not old:
+                    plan.sets.append((top, target, i, new))
+            return target
+        if all(new is old for new, old in zip(items, target, strict=True)):
+            return target
+        # A tuple cannot change: a new one of the saved type, holding into='s tensors.
+        make = getattr(type(loaded), "_make", None)  # a namedtuple
+        return make(items) if make is not None else type(loaded)(items)
+    if _holds_tensor(target):
+        raise InvalidArgument(
+            f"{path} is a {type(target).__name__} holding tensors, but the checkpoint holds "
+            f"{_describe(loaded)} there"
+        )
+    return loaded
+
+
+_MISSING = object()
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list | tuple | dict):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _holds_tensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensor(v) for v in value)
+    return False
+
+
+def _placeholders(
+    url: str, meta: dict[int, int], plan: _Plan, entries: dict[str, list[int]] | None
+) -> set[int]:
+    """The storages (ids) of the placeholder tensors in the values ``plan`` stores; raises
+    if the manifest does not list one under its entry (as :func:`_check_read` does)."""
+    found: set[int] = set()
+    if not meta:
+        return found
+    assert entries is not None
+    seen: set[int] = set()
+    for top, _, _, value in plan.sets:
+        listed = set(entries[top])
+        for tensor in _tensors(value, seen):
+            sid = meta.get(tensor.untyped_storage()._cdata)
+            if sid is None:
+                continue
+            if sid not in listed:
+                raise IntegrityError(
+                    f"{url}: the manifest does not list every storage entry {top!r} uses "
+                    "(damaged or crafted); load it whole, or load an earlier checkpoint"
+                )
+            found.add(sid)
+    return found
+
+
+def _tensors(value: Any, seen: set[int]) -> Iterable[torch.Tensor]:
+    """The strided tensors anywhere in ``value`` (containers and objects' attributes)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if item.layout == torch.strided:
+                yield item
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            stack.extend(vars(item).values())
+
+
+def _check_read(url: str, meta: dict[int, int], entries: Iterable[tuple[str, Any]]) -> None:
     """Raise if a tensor in ``entries`` still sits on a placeholder storage: the manifest's
     list of the storages an entry uses left one out (it is damaged or crafted), and the
     caller would get a tensor without data."""
     if not meta:
         return
     seen: set[int] = set()
-    for key, value in entries.items():
-        stack = [value]
-        while stack:
-            item = stack.pop()
-            if id(item) in seen:
-                continue
-            seen.add(id(item))
-            if isinstance(item, torch.Tensor):
-                if item.layout == torch.strided and item.untyped_storage()._cdata in meta:
-                    raise IntegrityError(
-                        f"{url}: the manifest does not list every storage entry {key!r} uses "
-                        "(damaged or crafted); load it whole, or load an earlier checkpoint"
-                    )
-            elif isinstance(item, dict):
-                stack.extend(item.values())
-            elif isinstance(item, list | tuple | set | frozenset):
-                stack.extend(item)
-            elif hasattr(item, "__dict__") and not isinstance(item, type):
-                stack.extend(vars(item).values())
+    for key, value in entries:
+        for tensor in _tensors(value, seen):
+            if tensor.untyped_storage()._cdata in meta:
+                raise IntegrityError(
+                    f"{url}: the manifest does not list every storage entry {key!r} uses "
+                    "(damaged or crafted); load it whole, or load an earlier checkpoint"
+                )
 
 
 async def _fill(
     reader: ChunkReader,
     by_id: dict[int, fmt.Storage],
-    obj: Mapping[str, Any],
-    into: dict[str, Any],
+    plan: _Plan,
     meta: dict[int, int],
     url: str,
 ) -> None:
     # One storage at a time: read it, copy its tensors into place, let it go.
-    users: dict[int, list[str]] = {}
-    for key in into:
-        loaded, target = obj[key], into[key]
-        if _tensor_pair(key, loaded, target):
-            sid = meta.get(loaded.untyped_storage()._cdata)
-            if sid is None:  # already read (it is shared with an entry loaded whole)
-                with torch.no_grad():
-                    target.copy_(loaded)
-            else:
-                users.setdefault(sid, []).append(key)
-        elif isinstance(target, torch.Tensor):
-            raise InvalidArgument(
-                f"into[{key!r}] is a tensor, but the checkpoint holds a "
-                f"{type(loaded).__name__} there"
-            )
+    users: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for pair in plan.pairs:
+        _, loaded, target = pair
+        sid = meta.get(loaded.untyped_storage()._cdata)
+        if sid is None:  # already read (it is shared with a value loaded whole)
+            with torch.no_grad():
+                target.copy_(loaded)
         else:
-            into[key] = loaded
-    for sid, names in users.items():
-        direct = _whole(obj, into, names, by_id[sid])
+            users.setdefault(sid, []).append(pair)
+    for sid, pairs in users.items():
+        direct = _whole(pairs, by_id[sid])
         if direct is not None:
             # The target's own memory is the storage: read straight into it.
             await reader.read_into(by_id[sid], direct)
             continue
         storage = (await reader.storages([by_id[sid]]))[sid]
-        for key in names:
-            loaded = obj[key]
+        for _, loaded, target in pairs:
             offset, shape, stride = loaded.storage_offset(), tuple(loaded.shape), loaded.stride()
             check_view(storage, offset, shape, stride, loaded.dtype, url)
             view = torch.empty(0, dtype=loaded.dtype).set_(storage, offset, shape, stride)
             with torch.no_grad():
-                into[key].copy_(view)
+                target.copy_(view)
         del storage
+    _apply(plan)
+
+
+def _apply(plan: _Plan) -> None:
+    for _, container, key, value in plan.sets:
+        container[key] = value
 
 
 def _whole(
-    obj: Mapping[str, Any], into: dict[str, Any], names: list[str], entry: fmt.Storage
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]], entry: fmt.Storage
 ) -> memoryview | None:
     """The memory of the one ``into`` tensor that a storage fills whole (the saved tensor
     is all of its storage, contiguous; the target contiguous on the CPU), or None."""
-    if len(names) != 1:
+    if len(pairs) != 1:
         return None
-    loaded, target = obj[names[0]], into[names[0]]
+    _, loaded, target = pairs[0]
     if (
         loaded.storage_offset() != 0
         or not loaded.is_contiguous()
@@ -449,16 +596,13 @@ def _whole(
     return byte_view(target.view(-1).view(torch.uint8))
 
 
-def _tensor_pair(key: str, loaded: Any, target: Any) -> bool:
-    """Whether ``into[key]`` is a tensor to fill from ``loaded``; raises on a mismatch."""
-    if not (isinstance(loaded, torch.Tensor) and isinstance(target, torch.Tensor)):
-        return False
+def _check_pair(path: str, loaded: torch.Tensor, target: torch.Tensor) -> None:
+    """Raise unless the ``into`` tensor at ``path`` has the saved shape and dtype."""
     if loaded.shape != target.shape or loaded.dtype != target.dtype:
         raise InvalidArgument(
-            f"into[{key!r}] is {tuple(target.shape)} {target.dtype}, the checkpoint "
+            f"{path} is {tuple(target.shape)} {target.dtype}, the checkpoint "
             f"holds {tuple(loaded.shape)} {loaded.dtype}"
         )
-    return True
 
 
 def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url: str) -> Any:
@@ -472,13 +616,11 @@ def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url
         raise InvalidArgument(f"{url} has no entries {missing!r}")
     if into is None:
         return type(obj)((k, obj[k]) for k in wanted)
+    plan = _plan(obj, into)
     with torch.no_grad():
-        for key in into:
-            loaded, target = obj[key], into[key]
-            if _tensor_pair(key, loaded, target):
-                target.copy_(loaded)
-            else:
-                into[key] = loaded
+        for _, loaded, target in plan.pairs:
+            target.copy_(loaded)
+    _apply(plan)
     return into
 
 

@@ -1,0 +1,165 @@
+"""What new users hit in their first hour with checkpoints: ``into=`` with the usual nested
+checkpoint shape, a save handle dropped when ``asyncio.run`` ends, moving a checkpoint back
+to a plain ``torch.save`` file, and one form for digests."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import asyncstore
+import asyncstore.torch
+from asyncstore import InvalidArgument
+
+pytestmark = pytest.mark.anyio
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = _model()
+    optim = torch.optim.Adam(model.parameters(), lr=0.01)
+    for _ in range(2):
+        model(torch.randn(3, 8)).sum().backward()
+        optim.step()
+    return model, optim
+
+
+# -- into= fills nested containers ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["ours", "torch.save"])
+async def test_into_fills_a_nested_state_dict_in_place(tmp_path: Path, kind: str) -> None:
+    model, optim = _trained()
+    state = {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),
+        "step": 12,
+        "pair": (torch.ones(3), "tag"),
+        "history": [torch.full((2,), 5.0), 0.5],
+        "deep": {"a": {"b": {"c": torch.arange(6.0).reshape(2, 3)}}},
+    }
+    path = tmp_path / "state.ckpt"
+    if kind == "ours":
+        await (await asyncstore.save(state, path))
+    else:
+        torch.save(state, path)
+    fresh = _model()
+    fresh_optim = torch.optim.Adam(fresh.parameters(), lr=0.5)
+    history: list[Any] = [torch.zeros(2), 0.0]
+    deep = torch.zeros(2, 3)
+    pair_tensor = torch.zeros(3)
+    into: dict[str, Any] = {
+        "model": fresh.state_dict(),
+        "optim": fresh_optim.state_dict(),
+        "step": 0,
+        "pair": (pair_tensor, ""),
+        "history": history,
+        "deep": {"a": {"b": {"c": deep}}},
+    }
+    pointers = {k: v.data_ptr() for k, v in into["model"].items()}
+    result = await asyncstore.load(path, into=into)
+    assert result is into
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key  # the model itself changed
+        assert into["model"][key].data_ptr() == pointers[key]
+    assert into["step"] == 12
+    assert into["history"] is history
+    assert torch.equal(history[0], torch.full((2,), 5.0))
+    assert history[1] == 0.5
+    assert torch.equal(deep, torch.arange(6.0).reshape(2, 3))
+    assert into["pair"][0] is pair_tensor
+    assert torch.equal(pair_tensor, torch.ones(3))
+    assert into["pair"][1] == "tag"
+    # The optimizer's state (empty in a fresh one) comes from the checkpoint, whole.
+    fresh_optim.load_state_dict(into["optim"])
+    saved = optim.state_dict()
+    assert into["optim"]["param_groups"][0]["lr"] == 0.01
+    for index, entry in saved["state"].items():
+        for name, value in entry.items():
+            assert torch.equal(into["optim"]["state"][index][name], value), (index, name)
+
+
+@pytest.mark.parametrize("kind", ["ours", "torch.save"])
+async def test_into_mismatch_names_the_full_path(tmp_path: Path, kind: str) -> None:
+    state = {"model": _model().state_dict(), "step": 3, "lists": [torch.ones(2)]}
+    path = tmp_path / "state.ckpt"
+    if kind == "ours":
+        await (await asyncstore.save(state, path))
+    else:
+        torch.save(state, path)
+    wrong = _model().state_dict()
+    wrong["0.weight"] = torch.zeros(3, 3)
+    untouched = wrong["2.weight"].clone()
+    with pytest.raises(InvalidArgument, match=r"into\['model'\]\['0\.weight'\] is \(3, 3\)"):
+        await asyncstore.load(path, into={"model": wrong, "step": 0})
+    assert torch.equal(wrong["2.weight"], untouched)  # nothing filled before the check
+    half = _model().state_dict()
+    half["2.bias"] = half["2.bias"].to(torch.float64)
+    with pytest.raises(InvalidArgument, match=r"into\['model'\]\['2\.bias'\].*float64"):
+        await asyncstore.load(path, into={"model": half})
+    with pytest.raises(InvalidArgument, match=r"into\['lists'\]\[0\] is \(3,\)"):
+        await asyncstore.load(path, into={"lists": [torch.zeros(3)]})
+    with pytest.raises(InvalidArgument, match=r"into\['step'\] is a tensor, but .* int"):
+        await asyncstore.load(path, into={"step": torch.zeros(1)})
+    with pytest.raises(InvalidArgument, match=r"into\['model'\] has entries \['extra'\]"):
+        await asyncstore.load(path, into={"model": {"extra": torch.zeros(1)}})
+    with pytest.raises(InvalidArgument, match=r"into\['step'\] is a dict holding tensors"):
+        await asyncstore.load(path, into={"step": {"w": torch.zeros(1)}})
+
+
+async def test_into_nested_reads_one_storage_at_a_time_straight_into_targets(
+    tmp_path: Path,
+) -> None:
+    from asyncstore.checkpoint._reader import ChunkReader
+
+    state = {"model": {"a": torch.randn(1000), "b": torch.randn(2000)}, "step": 1}
+    path = tmp_path / "direct.ckpt"
+    await (await asyncstore.save(state, path))
+    direct: list[str] = []
+    read_into = ChunkReader.read_into
+
+    async def spy(self: ChunkReader, entry: Any, memory: memoryview) -> None:
+        direct.append(entry.name)
+        await read_into(self, entry, memory)
+
+    into: dict[str, Any] = {"model": {"a": torch.zeros(1000), "b": torch.zeros(2000)}}
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(ChunkReader, "read_into", spy)
+        await asyncstore.load(path, into=into)
+    assert len(direct) == 2
+    assert torch.equal(into["model"]["a"], state["model"]["a"])  # type: ignore[index]
+    assert torch.equal(into["model"]["b"], state["model"]["b"])  # type: ignore[index]
+
+
+async def test_into_passes_through_the_sync_load_and_the_checkpointer(tmp_path: Path) -> None:
+    model, optim = _trained()
+    state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": 4}
+    asyncstore.torch.save(state, tmp_path / "sync.ckpt")
+    fresh = _model()
+    asyncstore.torch.load(tmp_path / "sync.ckpt", into={"model": fresh.state_dict(), "step": 0})
+    assert torch.equal(fresh.state_dict()["0.weight"], model.state_dict()["0.weight"])
+    other = _model()
+    async with asyncstore.Checkpointer(tmp_path / "run") as ckpt:
+        await (await ckpt.save(state, 4))
+        into: dict[str, Any] = {"model": other.state_dict(), "step": 0}
+        await ckpt.load(into=into)
+    assert into["step"] == 4
+    assert torch.equal(other.state_dict()["2.bias"], model.state_dict()["2.bias"])
+
+
+async def test_into_keeps_ordered_dicts_and_replaces_plain_values(tmp_path: Path) -> None:
+    state = {"cfg": collections.OrderedDict(lr=0.1, names=["a"]), "w": [torch.ones(2)]}
+    await (await asyncstore.save(state, tmp_path / "c.ckpt"))
+    cfg: dict[str, Any] = collections.OrderedDict(lr=0.0, names=[])
+    into: dict[str, Any] = {"cfg": cfg, "w": None}
+    await asyncstore.load(tmp_path / "c.ckpt", into=into)
+    assert into["cfg"] is cfg
+    assert cfg == {"lr": 0.1, "names": ["a"]}
+    assert torch.equal(into["w"][0], torch.ones(2))
