@@ -3,8 +3,16 @@ saves that block the training loop."""
 
 from __future__ import annotations
 
+import json
+import re
+import signal
+import subprocess
+import sys
+import uuid
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 import asyncstore
@@ -12,9 +20,6 @@ from asyncstore.stores import _s3client
 from asyncstore.testing import SeaweedFS
 
 from .conftest import BUCKET, s3_options, unique
-
-pytestmark = pytest.mark.anyio
-
 
 # -- credentials ---------------------------------------------------------------------------
 
@@ -36,6 +41,7 @@ def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(_s3client, "_SESSIONS", {})
 
 
+@pytest.mark.anyio
 @pytest.mark.usefixtures("no_credentials")
 async def test_missing_credentials_are_permission_denied(seaweedfs: SeaweedFS) -> None:
     prefix = unique()
@@ -58,6 +64,7 @@ async def test_missing_credentials_are_permission_denied(seaweedfs: SeaweedFS) -
 # -- buckets ---------------------------------------------------------------------------------
 
 
+@pytest.mark.anyio
 async def test_save_to_a_new_bucket_with_create(seaweedfs: SeaweedFS) -> None:
     import torch
 
@@ -71,9 +78,8 @@ async def test_save_to_a_new_bucket_with_create(seaweedfs: SeaweedFS) -> None:
     assert bucket in {b["Name"] for b in seaweedfs.client().list_buckets()["Buckets"]}
 
 
+@pytest.mark.anyio
 async def test_create_is_idempotent_and_safe_between_racing_openers(seaweedfs: SeaweedFS) -> None:
-    import anyio
-
     bucket = unique("race")
     stores = [
         asyncstore.open_store(f"s3://{bucket}/p{i}", **s3_options(seaweedfs, create=True))
@@ -92,6 +98,7 @@ async def test_create_is_idempotent_and_safe_between_racing_openers(seaweedfs: S
         assert sorted([i.key async for i in s.list()]) == [f"p{i}/k" for i in range(4)]
 
 
+@pytest.mark.anyio
 async def test_create_when_not_allowed_is_permission_denied(seaweedfs: SeaweedFS) -> None:
     bucket = unique("denied")
     options = s3_options(seaweedfs, create=True, aws_secret_access_key="not-the-secret")
@@ -101,6 +108,7 @@ async def test_create_when_not_allowed_is_permission_denied(seaweedfs: SeaweedFS
     assert bucket not in {b["Name"] for b in seaweedfs.client().list_buckets()["Buckets"]}
 
 
+@pytest.mark.anyio
 async def test_a_missing_bucket_is_named_apart_from_a_missing_key(seaweedfs: SeaweedFS) -> None:
     bucket = unique("missing")
     async with asyncstore.open_store(f"s3://{bucket}/run", **s3_options(seaweedfs)) as store:
@@ -119,3 +127,78 @@ async def test_a_missing_bucket_is_named_apart_from_a_missing_key(seaweedfs: Sea
             with pytest.raises(asyncstore.NotFound) as caught:
                 await call()
             assert "bucket" not in str(caught.value)
+
+
+# -- a local server for development ------------------------------------------------------
+
+
+def _start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str, dict[str, Any]]:
+    """``asyncstore server`` on a free port; its process, endpoint and options as printed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncstore", "server", "--dir", str(data_dir), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line)
+        if "Stop with Ctrl-C" in line:
+            break
+    else:
+        proc.wait()
+        raise AssertionError(f"no endpoint printed: {''.join(lines)}{proc.stderr.read()}")  # type: ignore[union-attr]
+    text = "".join(lines)
+    endpoint = re.search(r"^\s*export AWS_ENDPOINT_URL=(\S+)$", text, re.M)
+    assert endpoint is not None, text
+    printed = re.search(r"store_options = (\{.*?\})", text, re.S)
+    assert printed is not None, text
+    options = json.loads(printed.group(1))
+    assert options["endpoint_url"] == endpoint.group(1)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        assert f"export {name}=" in text
+    return proc, endpoint.group(1), options
+
+
+def _interrupt(proc: subprocess.Popen[str]) -> int:
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def test_local_server_serves_many_buckets_and_keeps_them(tmp_path: Path) -> None:
+    data_dir = tmp_path / "s3data"
+    buckets = [f"dev-{i}-{uuid.uuid4().hex[:8]}" for i in range(5)]
+
+    async def put_all(options: dict[str, Any]) -> None:
+        for bucket in buckets:
+            async with asyncstore.open_store(f"s3://{bucket}/p", create=True, **options) as store:
+                await store.put("obj.bin", bucket.encode() * 1000)
+
+    async def get_all(options: dict[str, Any]) -> None:
+        for bucket in buckets:
+            async with asyncstore.open_store(f"s3://{bucket}/p", **options) as store:
+                assert await store.get("obj.bin") == bucket.encode() * 1000
+
+    proc, _, options = _start_server(data_dir)
+    try:
+        anyio.run(put_all, options)
+        anyio.run(get_all, options)
+    finally:
+        status = _interrupt(proc)
+    assert status == 0
+    assert any(data_dir.iterdir())  # the data stays
+
+    proc, _, options = _start_server(data_dir)  # a restart serves the same objects
+    try:
+        anyio.run(get_all, options)
+    finally:
+        assert _interrupt(proc) == 0

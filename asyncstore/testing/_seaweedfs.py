@@ -87,6 +87,11 @@ class SeaweedFS:
         weed: path to the ``weed`` binary; by default it is looked up on ``PATH`` and next
             to the running Python interpreter.
         startup_timeout: seconds :meth:`start` waits for the S3 endpoint to accept writes.
+        s3_port: the S3 endpoint's port; 0 (the default) picks a free one. The other
+            services always get free ports.
+        volume_size_mb: the size at which SeaweedFS starts a new volume. Volumes are created
+            sparse, at most 1000 of them, and each bucket takes one to start with: small
+            volumes suit tests, larger ones a development server holding checkpoints.
     """
 
     region: str = "us-east-1"
@@ -99,7 +104,15 @@ class SeaweedFS:
         secret_key: str = "asyncstore-test-secret",
         weed: str | None = None,
         startup_timeout: float = 60.0,
+        s3_port: int = 0,
+        volume_size_mb: int = 64,
     ) -> None:
+        if not 0 <= s3_port < 65536:
+            raise ValueError(f"s3_port={s3_port!r}: use 0 (any free port) or a port number")
+        if volume_size_mb < 1:
+            raise ValueError(f"volume_size_mb={volume_size_mb!r}: use a size >= 1")
+        self._fixed_s3_port = s3_port
+        self._volume_size_mb = volume_size_mb
         self.access_key = access_key
         self.secret_key = secret_key
         self.startup_timeout = startup_timeout
@@ -211,7 +224,12 @@ class SeaweedFS:
 
     def _launch(self, weed: str) -> None:
         assert self._data_dir is not None
-        self._ports = _free_ports(_PORT_COUNT)
+        # One spare, so that the fixed S3 port (if free right now) can be left out.
+        ports = _free_ports(_PORT_COUNT + 1)
+        ports = [port for port in ports if port != self._fixed_s3_port][:_PORT_COUNT]
+        if self._fixed_s3_port:
+            ports[6] = self._fixed_s3_port  # the order of the unpacking below
+        self._ports = ports
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = self._ports
         self.s3_port = s3
         self.endpoint_url = f"http://127.0.0.1:{s3}"
@@ -228,8 +246,10 @@ class SeaweedFS:
             "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.config={self._data_dir / 's3.json'}",
-            # Small volumes (created sparse) and a high count: many test buckets, little disk.
-            "-master.volumeSizeLimitMB=64", "-volume.max=1000",
+            # Volumes created sparse and a high count: each bucket grows its own volumes (one
+            # at a time, see master.toml), so a low -volume.max runs out after a few buckets,
+            # which S3 clients see only as HTTP 500 on writes.
+            f"-master.volumeSizeLimitMB={self._volume_size_mb}", "-volume.max=1000",
             "-master.telemetry=false",
             # A lone master otherwise waits ~2 s for Raft peers, and the volume server's
             # first heartbeat fails meanwhile and is retried only 5 s later.
