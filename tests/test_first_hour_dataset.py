@@ -4,12 +4,14 @@ several workers."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 from torch.utils.data import DataLoader
 
+from asyncstore import InvalidArgument
 from asyncstore.torch import StreamingDataset
 
 COUNT = 61
@@ -71,3 +73,86 @@ def test_matching_batch_sizes_or_one_worker_read_the_plan_without_a_warning(
     )
     keys = [key for batch in loader for key in batch]  # warnings are errors here
     assert keys == ds.plan()
+
+
+def worker_of(ds: StreamingDataset[str], epoch: int, batch: int, workers: int) -> dict[str, int]:
+    """Which worker reads each sample of ``epoch``: workers take whole batches in turn."""
+    return {key: (position // batch) % workers for position, key in enumerate(ds.plan(epoch))}
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_each_epochs_figures_across_workers_reach_the_training_process(
+    dataset_dir: Path, tmp_path: Path, shuffle: bool
+) -> None:
+    ds = StreamingDataset(
+        dataset_dir,
+        cache_dir=tmp_path / "cache",
+        disk_bytes=1 << 30,
+        shuffle=shuffle,
+        seed=3,
+        batch_size=4,
+        decode=key_of,
+    )
+    loader = DataLoader(
+        ds, batch_size=4, num_workers=2, multiprocessing_context="fork", persistent_workers=True
+    )
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        assert sorted(key for batch in loader for key in batch) == sorted(ds.plan())
+        # Disk writes follow the reads they come from by up to 20 ms: let the cold epoch's
+        # land before the other worker looks for them.
+        time.sleep(0.5)
+    cold, warm = ds.epoch_stats(0), ds.epoch_stats(1)
+    assert ds.stats() is None  # the training process read nothing itself
+    # The cold epoch: every sample once, each read from the store.
+    assert (cold.epoch, cold.processes, cold.samples) == (0, 2, COUNT)
+    assert cold.store_fetches == COUNT
+    assert cold.store_bytes == sum(len(key) for key in ds.plan(0))
+    assert cold.memory_hits == cold.disk_hits == 0
+    assert cold.memory_misses == cold.disk_misses == COUNT
+    assert cold.hit_rate == 0.0
+    assert 0 < cold.store_latency_p50 <= cold.store_latency_p99
+    # The warm epoch: no store read; a worker's memory tier holds what that worker read in
+    # the cold epoch, the node's disk tier everything.
+    assert (warm.epoch, warm.processes, warm.samples) == (1, 2, COUNT)
+    assert warm.store_fetches == warm.store_bytes == warm.disk_misses == 0
+    assert warm.memory_hits + warm.disk_hits == COUNT
+    assert warm.hit_rate == 1.0
+    assert warm.disk_hit_rate == (1.0 if warm.disk_hits else 0.0)  # 0.0: no disk reads
+    before, after = worker_of(ds, 0, 4, 2), worker_of(ds, 1, 4, 2)
+    same_worker = sum(1 for key in before if before[key] == after[key])
+    assert warm.memory_hits == same_worker
+    assert warm.memory_hit_rate == same_worker / COUNT
+    if not shuffle:
+        assert same_worker == COUNT  # the same order: each sample stays on its worker
+    else:
+        assert same_worker < COUNT  # dealt afresh: about half back on the same worker
+    # Each epoch's own, and every epoch's together.
+    assert ds.epoch_stats() == warm
+    everything = ds.totals()
+    assert everything.epoch is None
+    assert everything.samples == 2 * COUNT
+    assert everything.store_fetches == COUNT
+    assert everything.memory_hits == warm.memory_hits
+    del loader
+
+
+def test_figures_of_an_epoch_not_kept_are_refused(dataset_dir: Path) -> None:
+    ds = StreamingDataset(dataset_dir, decode=key_of)
+    assert ds.epoch_stats(0).samples == 0  # current, nothing read yet
+    with pytest.raises(InvalidArgument, match="epoch=1: no figures"):
+        ds.epoch_stats(1)
+    for epoch in range(10):
+        ds.set_epoch(epoch)
+        assert len(list(ds)) == COUNT
+        assert ds.epoch_stats().samples == COUNT
+    assert ds.epoch_stats(2).samples == COUNT
+    with pytest.raises(InvalidArgument, match=r"epoch=1: no figures.*last 8"):
+        ds.epoch_stats(1)
+    with pytest.raises(InvalidArgument, match="epoch=-1"):
+        ds.epoch_stats(-1)
+    ds.set_epoch(9)  # the same epoch again: its figures add up
+    list(ds)
+    assert ds.epoch_stats(9).samples == 2 * COUNT
+    assert ds.totals().samples == 11 * COUNT
+    ds.close()

@@ -44,25 +44,71 @@ MiB = 1 << 20
 # Per-worker slots of the shared totals (workers beyond this share slots, still summed).
 _SLOTS = 256
 
+# The figures each process keeps in its slot, in this order (see _figures): the scheduler's,
+# the cache's for the iteration, and the number of iterations the slot holds.
+_SAMPLES, _STALLS, _WAIT_US, _MEM_HITS, _MEM_MISSES, _DISK_HITS, _DISK_MISSES = range(7)
+_FETCHES, _FETCH_BYTES, _P50_US, _P99_US, _ITERATIONS = range(7, 12)
+_FIELDS = 12
+# Percentiles cannot be added: a slot keeps its process's latest, and the sum takes the worst.
+_LATEST = (_P50_US, _P99_US)
+
+# Epochs whose figures epoch_stats() keeps: the current one and the seven before it. Each
+# takes a row of the shared array: its epoch (plus one; 0 for none), then a slot per process.
+_EPOCHS = 8
+_ROW = 1 + _FIELDS * (_SLOTS + 1)
+
 # Items handed over per trip to the background loop: each trip costs a thread hop, which is
 # worth amortising over several ready items.
 _BATCH = 64
 
 
 class EpochTotals(msgspec.Struct):
-    """The scheduler's figures summed over every process of this dataset (main and workers).
+    """Figures summed over every process of this dataset (the main one and every DataLoader
+    worker): of one epoch (:meth:`StreamingDataset.epoch_stats`), or of every iteration
+    since the dataset was made (:meth:`StreamingDataset.totals`).
+
+    A process adds its figures when its iteration ends (its part of the epoch read to the
+    end, or the loop left).
 
     Attributes:
-        samples: samples yielded, over all processes and iterations.
+        samples: samples yielded.
         stalls: samples a consumer had to wait for (not yet fetched when asked).
         stall_fraction: ``stalls / samples``.
         wait_seconds: total time consumers waited for samples not yet fetched.
+        epoch: the epoch, or None for the figures of every epoch.
+        processes: processes that ended an iteration (with workers, one per worker).
+        hit_rate: reads served by the memory or the disk tier, over all reads.
+        memory_hits, memory_misses: reads the processes' memory tiers answered, and those
+            they passed on to the disk tier (or, without one, to the store).
+        memory_hit_rate: ``memory_hits / (memory_hits + memory_misses)``.
+        disk_hits, disk_misses: reads the node's disk tier answered, and those it passed on
+            to the store (0 and 0 without ``cache_dir``).
+        disk_hit_rate: ``disk_hits / (disk_hits + disk_misses)``: of the reads that reached
+            the disk tier.
+        store_fetches: reads that reached the store (one per object, as reads of an
+            object already being fetched wait for that fetch).
+        store_bytes: bytes those reads fetched.
+        store_latency_p50, store_latency_p99: seconds; the worst over the processes that
+            fetched, each process's percentile taken over its most recent 4096 store reads.
     """
 
     samples: int
     stalls: int
     stall_fraction: float
     wait_seconds: float
+    epoch: int | None = None
+    processes: int = 0
+    hit_rate: float = 0.0
+    memory_hits: int = 0
+    memory_misses: int = 0
+    memory_hit_rate: float = 0.0
+    disk_hits: int = 0
+    disk_misses: int = 0
+    disk_hit_rate: float = 0.0
+    store_fetches: int = 0
+    store_bytes: int = 0
+    store_latency_p50: float = 0.0
+    store_latency_p99: float = 0.0
 
 
 class DatasetStats(msgspec.Struct):
@@ -203,10 +249,14 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         # [epoch, samples of it already consumed] in shared memory: DataLoader workers
         # (persistent ones too) read the position the main process set, at each iteration.
         self._position = multiprocessing.RawArray("q", [0, 0])
-        # [samples, stalls, microseconds waited] per process: one slot for the main process
-        # and one per DataLoader worker, each written by its own process only (no lock
-        # needed, and a lock could not cross into spawned workers), summed by totals().
-        self._totals = multiprocessing.RawArray("q", 3 * (_SLOTS + 1))
+        # _FIELDS figures per process: one slot for the main process and one per DataLoader
+        # worker, each written by its own process only (no lock needed, and a lock could not
+        # cross into spawned workers), summed by totals(); and the same per epoch, for the
+        # last _EPOCHS epochs, summed by epoch_stats(). The main process clears an epoch's
+        # row when it makes the epoch current, before any worker reads it.
+        self._totals = multiprocessing.RawArray("q", _FIELDS * (_SLOTS + 1))
+        self._epochs = multiprocessing.RawArray("q", _EPOCHS * _ROW)
+        self._begin_epoch(0)
         self._yielded = 0
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
@@ -267,6 +317,13 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if epoch != self._epoch:
             self._position[1] = 0
         self._position[0] = epoch
+        self._begin_epoch(epoch)
+
+    def _begin_epoch(self, epoch: int) -> None:
+        # Made current again (set_epoch with the same epoch, a resume): its figures add up.
+        base = (epoch % _EPOCHS) * _ROW
+        if self._epochs[base] != epoch + 1:
+            self._epochs[base : base + _ROW] = [epoch + 1] + [0] * (_ROW - 1)
 
     @property
     def _epoch(self) -> int:
@@ -334,24 +391,26 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             )
         check_resume(consumed, self._batch)
         self._position[0], self._position[1] = epoch, consumed
+        self._begin_epoch(epoch)
 
     # -- iteration ---------------------------------------------------------------------------
 
-    def _worker_keys(self) -> Iterator[str]:
+    def _worker_keys(self, epoch: int) -> Iterator[str]:
         # Lazily, a slice at a time: the first batch does not wait for the epoch's plan, and
         # no process holds all of it.
         info = get_worker_info()
         # Workers take whole batches in turn, as the DataLoader asks them for batches in turn:
         # with batch_size matching the DataLoader's, the stream keeps the plan's order.
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        slices = self._order(self._epoch).slices(self._skip, self._batch, worker, workers)
+        slices = self._order(epoch).slices(self._skip, self._batch, worker, workers)
         for part in slices:
             yield from self._keys.take(part)
 
     def __iter__(self) -> Iterator[T]:
         # Runs at the first next(): the caller is then the DataLoader's fetcher, if any.
         self._check_loader_batch(sys._getframe(1))
-        keys = self._worker_keys()
+        epoch = self._epoch
+        keys = self._worker_keys(epoch)
         self._yielded = 0
         conn = self._connection()
         session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
@@ -369,12 +428,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                     yield self._decode(key, data) if self._decode else data  # type: ignore[misc]
         finally:
             self._last = stats = run_sync(session.close())
-            if stats.prefetch is not None:
-                info = get_worker_info()
-                slot = 3 * (0 if info is None else 1 + info.id % _SLOTS)
-                self._totals[slot] += stats.prefetch.items
-                self._totals[slot + 1] += stats.prefetch.stalls
-                self._totals[slot + 2] += round(stats.prefetch.wait_seconds * 1e6)
+            self._add_figures(epoch, _figures(stats, session.before))
 
     def _check_loader_batch(self, caller: FrameType | None) -> None:
         # Workers take whole batches of the dataset's batch_size in turn, while the
@@ -397,6 +451,20 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             UserWarning,
             stacklevel=2,
         )
+
+    def _add_figures(self, epoch: int, figures: list[int]) -> None:
+        info = get_worker_info()
+        slot = _FIELDS * (0 if info is None else 1 + info.id % _SLOTS)
+        base = (epoch % _EPOCHS) * _ROW
+        rows = [(self._totals, slot)]
+        if self._epochs[base] == epoch + 1:  # else the main process moved past this epoch
+            rows.append((self._epochs, base + 1 + slot))
+        for array, start in rows:
+            for field, value in enumerate(figures):
+                if field not in _LATEST:
+                    array[start + field] += value
+                elif figures[_FETCHES]:
+                    array[start + field] = value
 
     def _connection(self) -> _Connection:
         # One store and cache per process, kept across epochs (the memory tier stays warm
@@ -441,15 +509,33 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         return self._last
 
     def totals(self) -> EpochTotals:
-        """The scheduler's figures summed over all processes (DataLoader workers included)."""
-        figures = list(self._totals)
-        samples, stalls, waited = (sum(figures[i::3]) for i in range(3))
-        return EpochTotals(
-            samples=samples,
-            stalls=stalls,
-            stall_fraction=stalls / samples if samples else 0.0,
-            wait_seconds=waited / 1e6,
-        )
+        """Figures of every iteration since the dataset was made, summed over all processes
+        (DataLoader workers included): every epoch together. See :meth:`epoch_stats` for
+        one epoch's."""
+        return _summed(list(self._totals), None)
+
+    def epoch_stats(self, epoch: int | None = None) -> EpochTotals:
+        """One epoch's figures (default: the current one), summed over all processes.
+
+        Call it in the training process after the epoch's loop: every DataLoader worker
+        has added its part when its iteration ended. The figures count every iteration of
+        ``epoch`` since :meth:`set_epoch` (or :meth:`load_state_dict`) made it current,
+        after an epoch with other figures.
+
+        Raises:
+            InvalidArgument: ``epoch`` is not one of the last 8 epochs made current.
+        """
+        epoch = self._epoch if epoch is None else epoch
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
+        base = (epoch % _EPOCHS) * _ROW
+        if self._epochs[base] != epoch + 1:
+            raise InvalidArgument(
+                f"epoch={epoch}: no figures are kept for it; epoch_stats() keeps the last "
+                f"{_EPOCHS} epochs made current by set_epoch() or load_state_dict() (the "
+                f"current one is {self._epoch})"
+            )
+        return _summed(list(self._epochs[base + 1 : base + _ROW]), epoch)
 
 
 def _loader_batch(caller: FrameType | None) -> int | None:
@@ -470,6 +556,58 @@ def _loader_batch(caller: FrameType | None) -> int | None:
     return len(indices) if isinstance(indices, Sized) else None
 
 
+def _figures(stats: DatasetStats, before: CacheStats) -> list[int]:
+    """One iteration's figures, as a slot keeps them (the cache's: since ``before``)."""
+    figures = [0] * _FIELDS
+    figures[_ITERATIONS] = 1
+    if stats.prefetch is not None:
+        figures[_SAMPLES] = stats.prefetch.items
+        figures[_STALLS] = stats.prefetch.stalls
+        figures[_WAIT_US] = round(stats.prefetch.wait_seconds * 1e6)
+    after = stats.cache
+    if after is not None:
+        figures[_MEM_HITS] = after.memory.hits - before.memory.hits
+        figures[_MEM_MISSES] = after.memory.misses - before.memory.misses
+        figures[_DISK_HITS] = after.disk.hits - before.disk.hits
+        figures[_DISK_MISSES] = after.disk.misses - before.disk.misses
+        figures[_FETCHES] = after.store.fetches - before.store.fetches
+        figures[_FETCH_BYTES] = after.store.bytes - before.store.bytes
+        figures[_P50_US] = round(after.store.latency_p50 * 1e6)
+        figures[_P99_US] = round(after.store.latency_p99 * 1e6)
+    return figures
+
+
+def _summed(figures: list[int], epoch: int | None) -> EpochTotals:
+    slots = [figures[start : start + _FIELDS] for start in range(0, len(figures), _FIELDS)]
+    total = [sum(slot[field] for slot in slots) for field in range(_FIELDS)]
+    for field in _LATEST:
+        total[field] = max(slot[field] for slot in slots)
+
+    def share(part: int, whole: int) -> float:
+        return part / whole if whole else 0.0
+
+    memory_reads = total[_MEM_HITS] + total[_MEM_MISSES]
+    return EpochTotals(
+        samples=total[_SAMPLES],
+        stalls=total[_STALLS],
+        stall_fraction=share(total[_STALLS], total[_SAMPLES]),
+        wait_seconds=total[_WAIT_US] / 1e6,
+        epoch=epoch,
+        processes=sum(1 for slot in slots if slot[_ITERATIONS]),
+        hit_rate=share(total[_MEM_HITS] + total[_DISK_HITS], memory_reads),
+        memory_hits=total[_MEM_HITS],
+        memory_misses=total[_MEM_MISSES],
+        memory_hit_rate=share(total[_MEM_HITS], memory_reads),
+        disk_hits=total[_DISK_HITS],
+        disk_misses=total[_DISK_MISSES],
+        disk_hit_rate=share(total[_DISK_HITS], total[_DISK_HITS] + total[_DISK_MISSES]),
+        store_fetches=total[_FETCHES],
+        store_bytes=total[_FETCH_BYTES],
+        store_latency_p50=total[_P50_US] / 1e6,
+        store_latency_p99=total[_P99_US] / 1e6,
+    )
+
+
 class _Connection:
     """A process's store and cache, living on its background loop."""
 
@@ -481,8 +619,9 @@ class _Connection:
         self, keys: Iterable[str], lookahead: int | Literal["auto"], inflight: int
     ) -> _Session:
         prefetcher = Prefetcher(self.cache, keys, lookahead=lookahead, max_inflight=inflight)
+        before = self.cache.stats()  # the iteration's cache figures are counted from here
         await prefetcher.__aenter__()
-        return _Session(self.cache, prefetcher)
+        return _Session(self.cache, prefetcher, before)
 
     async def close(self) -> None:
         await self.cache.aclose()
@@ -492,8 +631,8 @@ class _Connection:
 class _Session:
     """One epoch's prefetcher over a process's cache."""
 
-    def __init__(self, cache: TieredCache, prefetcher: Prefetcher) -> None:
-        self.cache, self.prefetcher = cache, prefetcher
+    def __init__(self, cache: TieredCache, prefetcher: Prefetcher, before: CacheStats) -> None:
+        self.cache, self.prefetcher, self.before = cache, prefetcher, before
         self.samples = 0
 
     async def next_batch(self, most: int, least: int) -> list[tuple[str, bytes]]:
