@@ -4,7 +4,10 @@ to a plain ``torch.save`` file, and one form for digests."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import gc
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +166,58 @@ async def test_into_keeps_ordered_dicts_and_replaces_plain_values(tmp_path: Path
     assert into["cfg"] is cfg
     assert cfg == {"lr": 0.1, "names": ["a"]}
     assert torch.equal(into["w"][0], torch.ones(2))
+
+
+# -- a save nobody awaited is loud -------------------------------------------------------------
+
+
+def test_a_save_not_awaited_before_asyncio_run_ends_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = {"w": torch.randn(1_000_000)}
+    path = tmp_path / "dropped.ckpt"
+
+    async def train() -> None:
+        await asyncstore.save(state, path, compression="zstd")  # the handle is not awaited
+
+    with (
+        caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"),
+        pytest.warns(ResourceWarning, match="dropped.ckpt.*await the handle"),
+    ):
+        asyncio.run(train())
+    dropped = [r for r in caplog.records if r.name == "asyncstore.checkpoint"]
+    assert len(dropped) == 1, caplog.text
+    assert dropped[0].levelno == logging.WARNING
+    assert str(path) in dropped[0].getMessage()
+    assert "await the save's handle" in dropped[0].getMessage()
+    assert list(tmp_path.iterdir()) == []  # nothing committed, no temp file left
+
+
+def test_a_checkpointer_save_not_awaited_before_asyncio_run_ends_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def train() -> None:
+        ckpt = asyncstore.Checkpointer(tmp_path, keep_last=2)
+        await ckpt.save({"w": torch.randn(1_000_000)}, 5)  # neither awaited nor closed
+
+    with (
+        caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"),
+        pytest.warns(ResourceWarning),  # the handle, and the checkpointer left open
+    ):
+        asyncio.run(train())
+        gc.collect()
+    dropped = [r.getMessage() for r in caplog.records if r.name == "asyncstore.checkpoint"]
+    assert any("step-000000005.ckpt" in m and "await" in m for m in dropped), caplog.text
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("step-")] == []
+
+
+async def test_a_save_cancelled_through_its_handle_or_awaited_says_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"):
+        handle = await asyncstore.save({"w": torch.randn(1_000_000)}, tmp_path / "c.ckpt")
+        handle.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handle
+        await (await asyncstore.save({"w": torch.ones(2)}, tmp_path / "ok.ckpt"))
+    assert [r for r in caplog.records if r.name == "asyncstore.checkpoint"] == []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -12,6 +14,8 @@ from .._concurrency import wait_shared
 from ..errors import AsyncStoreError
 
 __all__ = ["SaveHandle", "SaveResult"]
+
+logger = logging.getLogger("asyncstore.checkpoint")
 
 
 class SaveResult(msgspec.Struct, frozen=True):
@@ -58,6 +62,25 @@ class SaveHandle:
     def __init__(self, task: asyncio.Task[SaveResult], url: str) -> None:
         self._task = task
         self.url = url
+        # Shared with the task's callback, which must not keep the handle alive: whether
+        # the handle was dropped first decides what a failure that nobody saw tells.
+        self._watch = _Watch(url)
+        task.add_done_callback(self._watch.ended)
+
+    def __del__(self) -> None:
+        # A save whose handle goes away while it writes is one nobody waits for: when the
+        # event loop ends (asyncio.run returning), it is cancelled and nothing is committed.
+        task, watch = getattr(self, "_task", None), getattr(self, "_watch", None)
+        if task is None or watch is None or task.done():
+            return
+        watch.dropped = True
+        warnings.warn(
+            f"the save to {self.url} was still writing when its handle was dropped; await "
+            "the handle (await handle) so that the checkpoint commits before the event loop "
+            "ends",
+            ResourceWarning,
+            stacklevel=2,
+        )
 
     def __repr__(self) -> str:
         state = "done" if self._task.done() else "writing"
@@ -89,9 +112,43 @@ class SaveHandle:
 
     def cancel(self) -> None:
         """Abandon the save: nothing is committed, the previous checkpoint stays."""
+        self._watch.cancelled = True
         self._task.cancel()
 
     def _when_done(self, callback: Callable[[asyncio.Task[SaveResult]], None]) -> None:
         # Runs in the loop as the save ends, before the waiters that came after it: what
         # the callback records is there when an awaited handle returns.
         self._task.add_done_callback(callback)
+
+
+class _Watch:
+    """What the end of a save should tell when nobody asked for it: a save cancelled other
+    than by :meth:`SaveHandle.cancel` (its event loop shutting down: ``asyncio.run``
+    cancels every task left when its coroutine returns), or one that failed after its
+    handle was dropped. Either way nothing was committed, and a log line is all there is."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.cancelled = False  # by SaveHandle.cancel(): asked for, nothing to tell
+        self.dropped = False  # the handle was garbage-collected while the save was writing
+
+    def ended(self, task: asyncio.Task[SaveResult]) -> None:
+        if task.cancelled():
+            if not self.cancelled:
+                logger.warning(
+                    "the save to %s was cancelled before it committed (its event loop shut "
+                    "down: asyncio.run ends with every task still running) and nothing was "
+                    "written there; await the save's handle (await handle) before the loop "
+                    "ends",
+                    self.url,
+                )
+            return
+        if self.dropped:
+            error = task.exception()  # nobody else can retrieve it: it is reported here
+            if error is not None:
+                logger.warning(
+                    "the save to %s failed after its handle was dropped, and nothing was "
+                    "committed there: %s; await the save's handle to get its error",
+                    self.url,
+                    error,
+                )
