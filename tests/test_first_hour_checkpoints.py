@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -221,3 +222,28 @@ async def test_a_save_cancelled_through_its_handle_or_awaited_says_nothing(
             await handle
         await (await asyncstore.save({"w": torch.ones(2)}, tmp_path / "ok.ckpt"))
     assert [r for r in caplog.records if r.name == "asyncstore.checkpoint"] == []
+
+
+# -- digests: one form ---------------------------------------------------------------------------
+
+
+def test_every_user_facing_digest_is_the_same_hex_string(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncstore.checkpoint import inspect, read_manifest
+    from asyncstore.cli import main
+
+    path = tmp_path / "d.ckpt"
+    result = asyncstore.torch.save({"w": torch.randn(1000)}, path)
+    assert isinstance(result.digest, str)
+    assert len(result.digest) == 16
+    int(result.digest, 16)
+    info = asyncio.run(inspect(path))
+    assert info.digest == result.digest
+    manifest = asyncio.run(read_manifest(path))
+    assert f"{manifest.digest:016x}" == result.digest  # the file keeps its int
+    capsys.readouterr()
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["digest"] == result.digest
+    assert main(["inspect", str(path)]) == 0
+    assert f"digest      {result.digest}" in capsys.readouterr().out

@@ -69,6 +69,9 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
         size: the bytes of the checkpoint object itself.
         packs: the packs its chunks lie in, relative to its directory.
         tensors: one entry per tensor storage, in manifest order.
+        digest: the whole-checkpoint digest, 16 hex digits: the form of
+            :attr:`SaveResult.digest <asyncstore.SaveResult.digest>` (the manifest keeps
+            it as an int).
     """
 
     url: str
@@ -80,6 +83,7 @@ class CheckpointInfo(msgspec.Struct, frozen=True):
     size: int
     packs: list[str]
     tensors: list[TensorInfo]
+    digest: str
 
 
 async def inspect(target: Any, store_options: dict[str, Any] | None = None) -> CheckpointInfo:
@@ -139,6 +143,7 @@ async def inspect(target: Any, store_options: dict[str, Any] | None = None) -> C
         size=size,
         packs=list(manifest.packs),
         tensors=tensors,
+        digest=f"{manifest.digest:016x}",  # as SaveResult gives it
     )
 
 

@@ -46,6 +46,7 @@ def _text(info: Any) -> str:
         f"raw bytes   {human_bytes(info.raw_bytes)} ({info.raw_bytes})",
         f"stored      {human_bytes(info.stored_bytes)} ({info.stored_bytes}), ratio {ratio:.2f}",
         f"packs       {len(info.packs)}",
+        f"digest      {info.digest}",
         f"metadata    {json.dumps(info.metadata, sort_keys=True, default=str)}",
         "",
     ]
