@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import io
 import json
 import logging
 from pathlib import Path
@@ -222,6 +223,85 @@ async def test_a_save_cancelled_through_its_handle_or_awaited_says_nothing(
             await handle
         await (await asyncstore.save({"w": torch.ones(2)}, tmp_path / "ok.ckpt"))
     assert [r for r in caplog.records if r.name == "asyncstore.checkpoint"] == []
+
+
+# -- back to torch.save: export ----------------------------------------------------------------
+
+
+def _assert_same(expected: Any, got: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor)
+        assert got.dtype == expected.dtype
+        assert torch.equal(got, expected)
+    elif isinstance(expected, dict):
+        assert isinstance(got, dict)
+        assert list(got) == list(expected)
+        for key in expected:
+            _assert_same(expected[key], got[key])
+    elif isinstance(expected, list | tuple):
+        assert type(got) is type(expected)
+        assert len(got) == len(expected)
+        for a, b in zip(expected, got, strict=True):
+            _assert_same(a, b)
+    else:
+        assert got == expected
+
+
+def _nested_state() -> dict[str, Any]:
+    model, optim = _trained()
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 9, "tag": "x"}
+
+
+def test_export_writes_a_file_torch_load_reads(tmp_path: Path) -> None:
+    state = _nested_state()
+    src = tmp_path / "state.ckpt"
+    asyncstore.torch.save(state, src)
+    with pytest.raises(Exception, match=r"(?i)pickle|zip|magic|archive"):
+        torch.load(src, weights_only=True)  # what users hit before exporting
+    dst = tmp_path / "out" / "state.pt"
+    url = asyncstore.torch.export(src, dst)
+    assert url.endswith("/out/state.pt")
+    _assert_same(state, torch.load(dst, weights_only=True))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["state.pt"]  # no temp file
+    # Any store URL, and the file replaced whole.
+    memory = f"memory://export-{id(state)}"
+    asyncstore.torch.export(src, f"{memory}/again.pt")
+    asyncstore.torch.export(src, f"{memory}/again.pt")
+
+    async def fetch() -> bytes:
+        async with asyncstore.open_store(memory) as store:
+            return await store.get("again.pt")
+
+    data = asyncio.run(fetch())
+    _assert_same(state, torch.load(io.BytesIO(data), weights_only=True))
+
+
+def test_export_refuses_what_it_cannot_export(tmp_path: Path) -> None:
+    with pytest.raises(asyncstore.NotFound):
+        asyncstore.torch.export(tmp_path / "missing.ckpt", tmp_path / "x.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")
+    with pytest.raises(asyncstore.IntegrityError, match="not an asyncstore checkpoint"):
+        asyncstore.torch.export(tmp_path / "plain.pt", tmp_path / "x.pt")
+    with pytest.raises(InvalidArgument, match="file object"):
+        asyncstore.torch.export(tmp_path / "plain.pt", io.BytesIO())
+    assert not (tmp_path / "x.pt").exists()
+
+
+def test_the_export_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncstore.cli import main
+
+    state = _nested_state()
+    asyncstore.torch.save(state, tmp_path / "state.ckpt")
+    assert main(["export", str(tmp_path / "state.ckpt"), str(tmp_path / "state.pt")]) == 0
+    assert "state.pt" in capsys.readouterr().out
+    _assert_same(state, torch.load(tmp_path / "state.pt", weights_only=True))
+    assert main(["export", str(tmp_path / "nope.ckpt"), str(tmp_path / "nope.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("asyncstore: ")
+    assert "nope.ckpt" in err
+    assert not (tmp_path / "nope.pt").exists()
 
 
 # -- digests: one form ---------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """PyTorch adapters: ``StreamingDataset``, a drop-in ``IterableDataset`` over any store, and
 ``save`` / ``save_async`` / ``load``, drop-in replacements for ``torch.save`` / ``torch.load``."""
 
-from ._checkpoint import Checkpointer, load, save, save_async
+from ._checkpoint import Checkpointer, export, load, save, save_async
 from ._dataset import DatasetStats, EpochTotals, StreamingDataset
 
 __all__ = [
@@ -12,4 +12,5 @@ __all__ = [
     "save",
     "save_async",
     "load",
+    "export",
 ]

@@ -4,24 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import io
 import logging
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Unpack
 
-from .._concurrency import ExitStep, at_exit
+import torch
+
+from .._concurrency import ExitStep, at_exit, to_thread
 from .._loop import bridge_loop, run_sync
 from ..checkpoint import Checkpointer as _AsyncCheckpointer
 from ..checkpoint import CheckpointerStats, SaveHandle, SaveResult, VerifyReport, Version
 from ..checkpoint import load as _load
+from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
-from ..errors import InvalidArgument, NotFound, StoreError
+from ..checkpoint._target import resolve as _resolve
+from ..errors import InvalidArgument, NotFound, PermissionDenied, StoreError, StoreUnavailable
 
 if TYPE_CHECKING:
     from . import dcp
 
-__all__ = ["Checkpointer", "save", "save_async", "load"]
+__all__ = ["Checkpointer", "save", "save_async", "load", "export"]
 
 logger = logging.getLogger("asyncstore.checkpoint")
 
@@ -85,7 +91,15 @@ def save_async(
     :func:`save`.
     """
     _check_options(dict(options), SaveOptions.__optional_keys__, "save_async")
-    return _pending(run_sync(_save(obj, f, **options)))
+    try:
+        handle = run_sync(_save(obj, f, **options))
+    except (NotFound, PermissionDenied, StoreError, StoreUnavailable) as exc:
+        # The store's errors (a server down, a missing bucket) are the save's outcome,
+        # given by the future like those that come after the snapshot.
+        failed: concurrent.futures.Future[SaveResult] = concurrent.futures.Future()
+        failed.set_exception(exc)
+        return failed
+    return _pending(handle)
 
 
 def _pending(handle: SaveHandle) -> concurrent.futures.Future[SaveResult]:
@@ -106,6 +120,54 @@ def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> An
     """
     _check_options(dict(options), LoadOptions.__optional_keys__, "load")
     return run_sync(_load(f, map_location=map_location, **options))
+
+
+def export(src: Any, dst: Any, *, store_options: dict[str, Any] | None = None) -> str:
+    """Write the asyncstore checkpoint at ``src`` as a plain ``torch.save`` file at ``dst``,
+    for code that reads checkpoints with ``torch.load`` (which cannot read asyncstore's
+    format). Returns the URL written.
+
+    The checkpoint is loaded with ``weights_only=True`` and every chunk verified, its
+    tensors on the CPU (``torch.load(dst, map_location=...)`` places them later); then
+    ``dst`` is written atomically: it holds what it held before (or nothing) until the
+    whole file is there. The file is built in memory first, so this needs about twice the
+    checkpoint's size in memory.
+
+    Args:
+        src: the checkpoint: a path, a URL or a ``(store, key)`` pair.
+        dst: where the ``torch.save`` file goes: a local path, a URL
+            (``"s3://bucket/export/model.pt"``) or a ``(store, key)`` pair.
+        store_options: options for ``open_store`` when ``src`` or ``dst`` is a URL or path.
+
+    Raises:
+        NotFound: there is nothing at ``src``.
+        IntegrityError: ``src`` is not an asyncstore checkpoint, or it is damaged.
+        UnsafeCheckpoint: it holds objects ``weights_only=True`` refuses.
+        InvalidArgument: ``dst`` is a file object, or another bad argument.
+    """
+    return run_sync(_export(src, dst, store_options))
+
+
+async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> str:
+    if not isinstance(dst, str | os.PathLike | tuple):
+        raise InvalidArgument(
+            f"export(dst={dst!r}): pass a path, a URL or a (store, key) pair; the file is "
+            "written atomically, which a file object cannot be"
+        )
+    # The manifest first: a torch.save file at src is refused rather than copied.
+    await _read_manifest(src, store_options=store_options)
+    state = await _load(src, map_location="cpu", store_options=store_options)
+    buffer = io.BytesIO()
+    await to_thread(torch.save, state, buffer)
+    del state
+    target = _resolve(dst, store_options, writing=True)
+    try:
+        assert target.store is not None
+        assert target.key is not None
+        await target.store.put(target.key, buffer.getbuffer())  # atomic in every store
+        return target.url
+    finally:
+        await target.aclose()
 
 
 def _agreed(find: Callable[[], int]) -> int:
