@@ -17,7 +17,7 @@ import pytest
 
 import asyncstore
 from asyncstore.stores import _s3client
-from asyncstore.testing import SeaweedFS
+from asyncstore.testing import FaultProxy, SeaweedFS
 
 from .conftest import BUCKET, s3_options, unique
 
@@ -202,3 +202,67 @@ def test_local_server_serves_many_buckets_and_keeps_them(tmp_path: Path) -> None
         anyio.run(get_all, options)
     finally:
         assert _interrupt(proc) == 0
+
+
+# -- saves that do not block on the network ----------------------------------------------
+
+
+def test_save_async_to_s3_reuses_one_client(
+    seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+    from aiobotocore.session import AioSession
+
+    import asyncstore.torch
+
+    created: list[str] = []
+    create_client = AioSession.create_client
+
+    def counting(self: AioSession, *args: Any, **kwargs: Any) -> Any:
+        created.append(str(kwargs.get("endpoint_url")))
+        return create_client(self, *args, **kwargs)
+
+    monkeypatch.setattr(AioSession, "create_client", counting)
+    # Options no other test uses, so that no pooled client exists for them yet.
+    options = s3_options(seaweedfs, connect_timeout=9.25)
+    run = unique("run")
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    futures = [
+        asyncstore.torch.save_async(
+            state, f"s3://{BUCKET}/{run}/step-{i}.ckpt", store_options=options
+        )
+        for i in range(5)
+    ]
+    for future in futures:
+        future.result(timeout=60)
+    assert created == [seaweedfs.endpoint_url]  # one client for the five saves
+    loaded = asyncstore.torch.load(f"s3://{BUCKET}/{run}/step-4.ckpt", store_options=options)
+    assert torch.equal(loaded["w"], state["w"])
+
+
+def test_save_async_reports_a_stopped_server_through_its_future(seaweedfs: SeaweedFS) -> None:
+    import torch
+
+    import asyncstore.torch
+
+    state = {"w": torch.arange(4096, dtype=torch.float32)}
+    run = unique("run")
+    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as proxy:
+        options = s3_options(seaweedfs, endpoint_url=proxy.url, max_attempts=2)
+        url = f"s3://{BUCKET}/{run}/step-0.ckpt"
+        asyncstore.torch.save_async(state, url, store_options=options).result(timeout=60)
+        proxy.refuse(True)  # the server is gone: connections are refused
+        future = asyncstore.torch.save_async(
+            state, f"s3://{BUCKET}/{run}/step-1.ckpt", store_options=options
+        )
+        with pytest.raises(asyncstore.StoreUnavailable):
+            future.result(timeout=60)
+    # Cold, too: the first save to a server that is down.
+    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as proxy:
+        proxy.refuse(True)
+        options = s3_options(seaweedfs, endpoint_url=proxy.url, max_attempts=2)
+        future = asyncstore.torch.save_async(
+            state, f"s3://{BUCKET}/{run}/step-2.ckpt", store_options=options
+        )
+        with pytest.raises(asyncstore.StoreUnavailable):
+            future.result(timeout=60)

@@ -111,6 +111,12 @@ async def open_sink(resolved: Resolved) -> Sink:
     assert resolved.key is not None
     if resolved.local_path is not None:
         os.makedirs(os.path.dirname(resolved.local_path), exist_ok=True)
+    if resolved.store.remote:
+        # Contacting the server (a client, the cleanup, the upload) is the save's work, not
+        # the caller's: done on the first write, after the snapshot, so that save_async
+        # returns once its tensors are copied and a server that is down fails the save's
+        # future rather than the call.
+        return StoreSink(resolved.store, resolved.key, deferred=True)
     if isinstance(resolved.store, CleansUpWrites):
         # What a save killed mid-write left: unfinished uploads, temp files.
         await resolved.store.clean_up_writes(resolved.key)
@@ -211,31 +217,52 @@ def _store_options(options: object) -> dict[str, Any]:
 class StoreSink(Sink):
     """Streams into a store's atomic writer: nothing is visible until :meth:`commit`."""
 
-    def __init__(self, store: Store, key: str) -> None:
+    def __init__(self, store: Store, key: str, *, deferred: bool = False) -> None:
         self.url = f"{store.url}/{key}"
+        self._store, self._key = store, key
+        self._writer: Writer | None = None
+        self._opened = False
+        if not deferred:
+            self._writer = self._new_writer()
+
+    def _new_writer(self) -> Writer:
         # A checkpoint is large and written once: a local file takes it around the page
         # cache (see LocalFiles.open_direct_writer).
-        self._writer: Writer = (
+        store, key = self._store, self._key
+        return (
             store.open_direct_writer(key)
             if isinstance(store, LocalFiles)
             else store.open_writer(key)
         )
 
     async def open(self) -> None:
+        if self._writer is None:
+            # Deferred (see open_sink): what a save killed mid-write left goes first.
+            if isinstance(self._store, CleansUpWrites):
+                await self._store.clean_up_writes(self._key)
+            self._writer = self._new_writer()
         await self._writer.__aenter__()
+        self._opened = True
 
     @property
     def direct_bytes(self) -> int:
         return int(getattr(self._writer, "direct_bytes", 0))
 
     async def write(self, data: memoryview | bytes | bytearray) -> None:
+        if not self._opened:
+            await self.open()
+        assert self._writer is not None
         await self._writer.write(data)
 
     async def commit(self) -> None:
+        if not self._opened:
+            await self.open()
+        assert self._writer is not None
         await self._writer.__aexit__(None, None, None)
 
     async def abort(self, exc: BaseException) -> None:
-        await self._writer.__aexit__(type(exc), exc, exc.__traceback__)
+        if self._writer is not None:  # a deferred sink that never opened holds nothing
+            await self._writer.__aexit__(type(exc), exc, exc.__traceback__)
 
 
 def _write_fully(file: IO[bytes], data: memoryview | bytes | bytearray) -> None:

@@ -1,7 +1,8 @@
 """The botocore side of an S3 store: sessions, client creation and what each client is set
 up with.
 
-A client is made once per store, on first use (:func:`open_client`). The process keeps one
+A client is made on first use (:func:`open_client`) and shared by the stores opened with the
+same options (:mod:`._s3pool`). The process keeps one
 botocore session per profile and thread, so that opening many stores parses S3's service
 model once. Each client sends bodies without ``Expect: 100-continue``, has botocore's own
 retries and per-request checksums off (the store retries, and checks integrity end to end),
@@ -155,13 +156,26 @@ async def open_client(
     except Exception as exc:
         raise StoreError(f"cannot create an S3 client for {url}: {describe(exc)}") from exc
     try:
-        fast = await SignedGetter.create(client, session, bucket, config)
-    except Exception as exc:
+        fast = await open_getter(client, config, bucket, url)
+    except BaseException:
         await cm.__aexit__(None, None, None)
+        raise
+    return cm, client, fast
+
+
+async def open_getter(client: Any, config: S3Config, bucket: str, url: str) -> SignedGetter:
+    """The fast GET path to ``bucket`` beside a live ``client``.
+
+    Raises:
+        NoCredentials: no credentials were found (the caller names the object).
+        StoreError: requests cannot be signed.
+    """
+    try:
+        return await SignedGetter.create(client, _session(config.profile), bucket, config)
+    except Exception as exc:
         if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
             raise NoCredentials(describe(exc)) from exc
         raise StoreError(
             f"cannot sign requests for {url}: {describe(exc)}; check that "
             "credentials are configured (options, environment or AWS profile)"
         ) from exc
-    return cm, client, fast

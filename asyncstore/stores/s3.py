@@ -30,10 +30,11 @@ from botocore import exceptions as bex
 
 from .._concurrency import shield
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
+from . import _s3pool
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key, check_prefix
 from ._retry import with_retries
-from ._s3client import NoCredentials, no_credentials_message, open_client, resolved_endpoint
+from ._s3client import NoCredentials, no_credentials_message, resolved_endpoint
 from ._s3fast import S3HTTPError, SignedGetter
 from ._s3read import S3Reader
 from ._s3responses import (
@@ -141,7 +142,9 @@ class S3Store(BaseStore):
 
     Open it with ``open_store("s3://bucket/prefix", **options)``; see :class:`S3Config` for
     the options. The client connects on first use (or in ``async with``) and belongs to the
-    event loop that used it first.
+    event loop that used it first. Stores opened with the same endpoint, credentials and
+    client settings on one event loop share one client; closing a store gives its share
+    back, and the client stays open for the next store (see :mod:`._s3pool`).
     """
 
     def __init__(self, bucket: str, prefix: str = "", config: S3Config | None = None) -> None:
@@ -152,7 +155,7 @@ class S3Store(BaseStore):
         self._endpoint = resolved_endpoint(self._config)
         self._slots = anyio.Semaphore(self._config.max_inflight)
         self._client: Any = None
-        self._client_cm: Any = None
+        self._lease: _s3pool.Lease | None = None
         self._fast: SignedGetter | None = None
         self._client_lock = anyio.Lock()
         self._client_loop: asyncio.AbstractEventLoop | None = None
@@ -213,13 +216,13 @@ class S3Store(BaseStore):
             self._check_open()
             if self._client is None:
                 try:
-                    cm, client, self._fast = await open_client(
+                    lease, client, self._fast = await _s3pool.acquire(
                         self._config, self._endpoint, self._bucket, self.url
                     )
                 except NoCredentials as exc:
                     where = self.where(key) if key else self.url
                     raise PermissionDenied(no_credentials_message(where, self._endpoint)) from exc
-                self._client_cm, self._client = cm, client
+                self._lease, self._client = lease, client
                 self._client_loop = asyncio.get_running_loop()
         if self._client_loop is not asyncio.get_running_loop():
             raise self._wrong_loop()  # created by another loop while this one waited
@@ -312,16 +315,16 @@ class S3Store(BaseStore):
 
     async def _release_client(self) -> None:
         async with self._client_lock:
-            cm, self._client, self._client_cm = self._client_cm, None, None
-            fast, self._fast = self._fast, None
-            if self._client_loop is not asyncio.get_running_loop():
-                # Closed from another loop: the connections cannot be closed from here
-                # (their loop is usually closed already); drop them.
+            lease, self._client, self._lease, self._fast = self._lease, None, None, None
+            if lease is None:
                 return
-            if fast is not None:
-                await fast.aclose()
-            if cm is not None:
-                await cm.__aexit__(None, None, None)
+            if self._client_loop is not asyncio.get_running_loop():
+                # Closed from another loop: the connections cannot be touched from here
+                # (their loop is usually closed already); only the lease is given back.
+                _s3pool.release_elsewhere(lease)
+                return
+            # Shared with the other stores of the same options: the pool closes it.
+            await _s3pool.release(lease)
 
     def _holds_resources(self) -> bool:
         return getattr(self, "_client", None) is not None
