@@ -156,10 +156,12 @@ def store_chart(fig: Figure, results: Results) -> None:
     left.set_xticks(inflight, [str(i) for i in inflight])
     left.set_xlabel("requests in flight")
     left.set_ylabel("objects/s")
-    left.set_ylim(bottom=0)
+    tallest = max(max(row["get_per_s"], row["put_per_s"]) for row in rows)
+    # Room above the lines for the legend.
+    left.set_ylim(0, max(tallest, *small["baseline"].values()) * 1.45)
     left.set_title(f"{small['object_bytes'] / 1000:,.0f} KB objects", fontsize=10)
     left.grid(alpha=0.3)
-    left.legend(fontsize=8, loc="upper left")
+    left.legend(fontsize=7, loc="upper left", ncols=2)
 
     clients = [
         (
@@ -199,7 +201,10 @@ def checkpoint_chart(fig: Figure, results: Results) -> None:
         results,
     )
     axes = fig.subplots(1, len(saves), sharey=True)
-    for ax, (label, run) in zip(axes, saves.items(), strict=True):
+    # fp32 before bf16, as the tables (the JSON's keys are sorted).
+    labels = sorted(saves, reverse=True)
+    for ax, label in zip(axes, labels, strict=True):
+        run = saves[label]
         rows = run["rows"]
         ys = list(range(len(rows)))
         totals = [row["total"] for row in rows]
@@ -229,7 +234,7 @@ def checkpoint_chart(fig: Figure, results: Results) -> None:
         ax.set_xlabel("seconds (log scale)")
         ax.set_title(f"{run['mib']:,.0f} MiB {label} state", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
-    writers = [row["writer"] for row in next(iter(saves.values()))["rows"]]
+    writers = [row["writer"] for row in saves[labels[0]]["rows"]]
     axes[0].set_yticks(range(len(writers)), writers, fontsize=8)
     axes[0].invert_yaxis()
     handles, labels = axes[0].get_legend_handles_labels()
@@ -282,8 +287,8 @@ def cache_chart(fig: Figure, results: Results) -> None:
     right.set_ylim(0, max(1.0, hits["optimum"] * 1.2))
     right.set_ylabel("hit rate")
     right.set_title(
-        f"hit rate: {hits['epochs']} shuffled epochs,\nmemory tier holds "
-        f"{hits['capacity']:,} of {hits['objects']:,} objects",
+        f"hit rate over {hits['epochs']} shuffled epochs\n"
+        f"(memory tier: {hits['capacity']:,} of {hits['objects']:,} objects)",
         fontsize=10,
     )
     right.grid(axis="y", alpha=0.3)
@@ -322,11 +327,14 @@ def dataset_chart(fig: Figure, results: Results) -> None:
     )
     left.set_xlabel("epoch (1: from S3 through an empty cache; then warm, from the cache)")
     left.set_yscale("log")
+    lowest = min(results["baseline_per_s"], *(run["cold"] for run in results["epochs"]))
+    # Room below the lines for the legend.
+    left.set_ylim(bottom=lowest / 6)
     left.yaxis.set_major_formatter("{x:,.0f}")
     left.set_ylabel("samples/s (log scale)")
     left.set_title("cold and warm epochs from S3", fontsize=10)
     left.grid(alpha=0.3)
-    left.legend(fontsize=7, loc="center right")
+    left.legend(fontsize=7, loc="lower right", ncols=2)
 
     big = results.get("larger_than_memory")
     if not big:
@@ -353,9 +361,11 @@ def dataset_chart(fig: Figure, results: Results) -> None:
         label="plain open().read() in the DataLoader",
     )
     right.axhline(big["plain_per_s"], color=LIMIT, linestyle="--", label="plain reads, bare loop")
-    right.set_xticks(range(len(workers)), [f"num_workers={w}" for w in workers])
+    right.set_xticks(range(len(workers)), [str(w) for w in workers])
+    right.set_xlabel("num_workers")
     right.set_ylabel("samples/s")
-    right.set_ylim(0, max(big["plain_per_s"], *in_loader.values()) * 1.5)
+    right.yaxis.set_major_formatter("{x:,.0f}")
+    right.set_ylim(0, max(big["plain_per_s"], *in_loader.values()) * 1.6)
     right.set_title(
         f"warm epochs, {big['total_mb']:,.0f} MB local, memory tier {big['memory_mb']:,.0f} MB",
         fontsize=10,
