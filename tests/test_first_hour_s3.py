@@ -4,6 +4,7 @@ saves that block the training loop."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -27,8 +28,6 @@ from .conftest import BUCKET, s3_options, unique
 @pytest.fixture
 def no_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A process where the AWS chain finds no credentials at all."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("AWS_"):
             monkeypatch.delenv(name)
@@ -266,3 +265,35 @@ def test_save_async_reports_a_stopped_server_through_its_future(seaweedfs: Seawe
         )
         with pytest.raises(asyncstore.StoreUnavailable):
             future.result(timeout=60)
+
+
+def test_a_forked_child_makes_its_own_client(seaweedfs: SeaweedFS) -> None:
+    import torch
+    from aiobotocore.session import AioSession
+
+    import asyncstore.torch
+
+    options = s3_options(seaweedfs, connect_timeout=9.75)
+    url = f"s3://{BUCKET}/{unique('run')}/step-0.ckpt"
+    state = {"w": torch.arange(256, dtype=torch.float32)}
+    asyncstore.torch.save(state, url, store_options=options)  # the parent pools a client
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            created: list[object] = []
+            create_client = AioSession.create_client
+
+            def counting(self: AioSession, *args: Any, **kwargs: Any) -> Any:
+                created.append(kwargs.get("endpoint_url"))
+                return create_client(self, *args, **kwargs)
+
+            AioSession.create_client = counting
+            loaded = asyncstore.torch.load(url, store_options=options)
+            code = 0 if torch.equal(loaded["w"], state["w"]) and len(created) == 1 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's client still works after the fork.
+    assert torch.equal(asyncstore.torch.load(url, store_options=options)["w"], state["w"])

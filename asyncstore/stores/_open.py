@@ -33,7 +33,9 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
             (relative paths are taken from the current directory), or ``s3://bucket[/prefix]``.
         **options: the store's options, checked at once: :class:`LocalConfig` fields for
             local stores, :class:`S3Config` fields for S3 (``endpoint_url``, ``region``,
-            credentials, ``max_inflight``, ``part_bytes``, ``max_attempts``, timeouts…).
+            credentials, ``create=True`` to create a missing bucket, ``max_inflight``,
+            ``part_bytes``, ``max_attempts``, timeouts…). S3 stores opened with the same
+            endpoint, credentials and client settings share one client.
 
     Returns:
         The store, an async context manager: use ``async with open_store(...) as store``.
