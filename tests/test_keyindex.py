@@ -277,7 +277,7 @@ def worker_streams(
     for worker in range(workers):
         info = SimpleNamespace(id=worker, num_workers=workers)
         monkeypatch.setattr(dataset_module, "get_worker_info", lambda info=info: info)
-        streams.append(list(ds._worker_keys()))
+        streams.append(list(ds._worker_keys(ds._epoch)))
     monkeypatch.setattr(dataset_module, "get_worker_info", lambda: None)
     return streams
 
