@@ -473,3 +473,18 @@ def test_auto_compression_counts_the_cores_the_ranks_of_a_node_share(
     assert _cores() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert _cores() == cores
+
+
+async def test_into_refuses_overlapping_and_meta_targets(tmp_path: Path) -> None:
+    path = tmp_path / "two.ckpt"
+    await (await asyncstore.save({"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}, path))
+    buffer = torch.zeros(6)
+    with pytest.raises(InvalidArgument, match="share memory"):
+        await asyncstore.load(path, into={"a": buffer[0:4], "b": buffer[2:6]})
+    assert torch.equal(buffer, torch.zeros(6))  # refused before anything was written
+    with pytest.raises(InvalidArgument, match="meta device"):
+        await asyncstore.load(path, into={"a": torch.empty(4, device="meta")})
+    tied = torch.zeros(4)  # the same tensor under two names (tied weights) is fine
+    await (await asyncstore.save({"a": torch.ones(4), "b": torch.ones(4)}, path))
+    await asyncstore.load(path, into={"a": tied, "b": tied})
+    assert torch.equal(tied, torch.ones(4))

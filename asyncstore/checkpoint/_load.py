@@ -400,7 +400,44 @@ def _plan(obj: Mapping[str, Any], into: dict[str, Any]) -> _Plan:
         value = _merge(obj[key], target, f"into[{key!r}]", plan, key)
         if value is not target:
             plan.sets.append((key, into, key, value))
+    _check_targets(plan.pairs)
     return plan
+
+
+def _check_targets(pairs: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+    """Refuse targets that cannot hold what is loaded: on the meta device (no memory), or
+    overlapping another target's memory without being the same tensor (one would
+    overwrite the other). The same tensor twice (tied weights) is fine."""
+    spans: list[tuple[int, int, str, torch.Tensor]] = []
+    for path, _, target in pairs:
+        if target.device.type == "meta":
+            raise InvalidArgument(
+                f"{path} is on the meta device, which has no memory to load into; "
+                "materialise it first (for example with to_empty())"
+            )
+        if target.numel() == 0:
+            continue
+        reach = sum((n - 1) * abs(st) for n, st in zip(target.shape, target.stride(), strict=True))
+        start = target.data_ptr()
+        spans.append((start, start + (reach + 1) * target.element_size(), path, target))
+    spans.sort(key=lambda span: span[0])
+    widest: tuple[int, int, str, torch.Tensor] | None = None  # reaching furthest so far
+    for span in spans:
+        if widest is not None and span[0] < widest[1]:
+            first, second = widest[3], span[3]
+            same = (
+                first.data_ptr() == second.data_ptr()
+                and first.shape == second.shape
+                and first.stride() == second.stride()
+                and first.dtype == second.dtype
+            )
+            if not same and first.device == second.device:
+                raise InvalidArgument(
+                    f"{widest[2]} and {span[2]} share memory, so one would overwrite the "
+                    "other; pass tensors that do not overlap"
+                )
+        if widest is None or span[1] > widest[1]:
+            widest = span
 
 
 def _merge(loaded: Any, target: Any, path: str, plan: _Plan, top: str) -> Any:

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -287,6 +288,10 @@ class Checkpointer(AsyncResource):
         self._damaged: set[tuple[str, str]] = set()
         self._stats = CheckpointerStats()
         self._newest = -1  # the newest step this checkpointer committed
+        # Writers of distributed versions handed out here (asyncstore.torch's dcp_writer),
+        # each with .step and .committed: a step one of them is still writing is not a
+        # leftover to remove.
+        self._dcp_writers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     @property
     def config(self) -> CheckpointerConfig:
@@ -891,6 +896,10 @@ class Checkpointer(AsyncResource):
     def _dcp_url(self, step: int) -> str:
         return f"{self._store.url}/{dcp_prefix(step)}".rstrip("/")
 
+    def _dcp_writing(self) -> set[int]:
+        # Steps that writers of this process are still saving (not committed, not dropped).
+        return {w.step for w in list(self._dcp_writers) if not w.committed}
+
     async def _dcp_committed(self, step: int) -> None:
         # A distributed version of ``step`` is complete (its .metadata written): it replaces
         # a single-object version of that step; what killed distributed saves of earlier
@@ -899,8 +908,9 @@ class Checkpointer(AsyncResource):
         await self._store.delete(key)
         self._packs.forget(self._store, key)
         _, unfinished = await self._scan(self._store)
+        writing = self._dcp_writing()
         for earlier in unfinished:
-            if earlier < step:
+            if earlier < step and earlier not in writing:
                 await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
         self._stats.saves += 1
         self._newest = max(self._newest, step)
@@ -925,10 +935,13 @@ class Checkpointer(AsyncResource):
             if store is None:
                 continue
             versions, unfinished = await self._scan(store)
+            writing = self._dcp_writing()
             for step in unfinished:  # distributed saves that did not complete
-                removed += await dist_layout.remove_unnamed(store, dcp_prefix(step), set())
+                if step not in writing:
+                    removed += await dist_layout.remove_unnamed(store, dcp_prefix(step), set())
             for version in versions:
-                if version.kind == "dcp":  # rank objects of saves it replaced
+                if version.kind == "dcp" and version.step not in writing:
+                    # The rank objects of saves it replaced, or that were killed.
                     try:
                         metadata = await dist_layout.read_metadata(store, version.key)
                     except (IntegrityError, NotFound):

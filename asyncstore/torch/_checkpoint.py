@@ -292,8 +292,9 @@ class Checkpointer:
             )
         run_sync(ckpt._ensure_open())
         config = ckpt.config
-        return dcp._VersionWriter(
+        writer = dcp._VersionWriter(
             ckpt._dcp_url(step),
+            step=step,
             on_commit=lambda: run_sync(ckpt._dcp_committed(step)),
             store_options=ckpt._store_options,
             compression=config.compression,
@@ -301,6 +302,8 @@ class Checkpointer:
             priority=config.priority,
             chunk_bytes=config.chunk_bytes,
         )
+        ckpt._dcp_writers.add(writer)
+        return writer
 
     def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
         """A ``torch.distributed.checkpoint`` storage reader of the distributed version of

@@ -21,8 +21,8 @@ With a :class:`asyncstore.torch.Checkpointer`, ``ckpt.dcp_writer(step)`` and
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import io
+import logging
 import os
 import secrets
 from collections.abc import Callable
@@ -54,11 +54,12 @@ from ..checkpoint._distributed import (
     encode_metadata,
     objects_named,
     read_metadata,
-    remove_unnamed,
 )
 from ..checkpoint._save import _config as _save_config
-from ..errors import IntegrityError, InvalidArgument, NotFound
+from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
 from ..stores import Store, open_store
+
+logger = logging.getLogger("asyncstore.checkpoint")
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -66,12 +67,13 @@ __all__ = ["StorageReader", "StorageWriter"]
 def _url(checkpoint_id: Any, what: str) -> str:
     if isinstance(checkpoint_id, os.PathLike):
         checkpoint_id = os.fspath(checkpoint_id)
-    if not isinstance(checkpoint_id, str) or not checkpoint_id:
+    url = checkpoint_id.rstrip("/") if isinstance(checkpoint_id, str) else ""
+    if not url or url.endswith(":/"):
         raise InvalidArgument(
             f"{what}: checkpoint_id={checkpoint_id!r}: pass a directory URL or path, such as "
             "'s3://bucket/run1/step-1000' or '/ckpt/step-1000'"
         )
-    return checkpoint_id.rstrip("/")
+    return url
 
 
 def _place(
@@ -90,11 +92,22 @@ def _done(value: Any) -> Future[Any]:
 
 
 async def _commit(url: str, metadata: Metadata, options: dict[str, Any]) -> None:
-    # .metadata replaces the one there (if any) at once; then the objects only the
-    # replaced checkpoint, or killed saves, named go.
+    # .metadata replaces the one there (if any) at once; then the objects that only the
+    # replaced checkpoint named go. Nothing else is touched: another save into the same
+    # directory may be writing (what killed saves left is gc()'s, which knows when none is).
     async with open_store(url, **options) as store:
+        try:
+            replaced = objects_named(await read_metadata(store, ""))
+        except (NotFound, IntegrityError):
+            replaced = set()  # nothing there, or damaged: its objects are left alone
         await store.put(METADATA, encode_metadata(metadata))
-        await remove_unnamed(store, "", objects_named(metadata) | {METADATA})
+        stale = replaced - objects_named(metadata)
+        try:
+            for name in sorted(stale):
+                await store.delete(name)
+        except (AsyncStoreError, OSError) as exc:
+            # The checkpoint is committed: a failed tidy-up must not report it as failed.
+            logger.warning("%s: could not remove the replaced checkpoint's objects (%s)", url, exc)
 
 
 async def _read_metadata(url: str, options: dict[str, Any]) -> Metadata:
@@ -135,6 +148,8 @@ class StorageWriter(_StorageWriter):
             "store_options": self.store_options,
         }
         self.is_coordinator = False
+        self._rank = 0
+        self._save = secrets.token_hex(8)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new checkpoint (at ``checkpoint_id``, when given)."""
@@ -144,27 +159,32 @@ class StorageWriter(_StorageWriter):
             raise InvalidArgument("StorageWriter has no URL: pass one, or a checkpoint_id")
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        """Note whether this rank writes the metadata."""
+        """Start a save on this rank (DCP calls this on every rank for every save): note
+        whether the rank writes the metadata, and name the object it writes anew."""
         self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if not isinstance(rank, int):
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self._rank = rank
+        # New for every save, on every rank: DCP may reuse an earlier save's plan (plan
+        # caching), so the name cannot come from the plan; an object the current
+        # .metadata names is never written over.
+        self._save = secrets.token_hex(8)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         """This rank's plan, unchanged."""
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Each rank's plan, told the name of the object it writes (new for this save)."""
-        save = secrets.token_hex(8)
-        return [
-            dataclasses.replace(plan, storage_data=f"__{i}_{save}.ckpt")
-            for i, plan in enumerate(plans)
-        ]
+        """Every rank's plan, unchanged (each rank names its own object)."""
+        return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Write this rank's items as one checkpoint object; the results name each entry."""
         assert self.url is not None
-        name = plan.storage_data
-        if not isinstance(name, str) or not RANK_OBJECT.match(name):
-            raise InvalidArgument("StorageWriter.write_data: the plan was not prepared by it")
+        name = f"__{self._rank}_{self._save}.ckpt"
         entries: dict[str, torch.Tensor] = {}
         results = []
         for i, item in enumerate(plan.items):
@@ -180,6 +200,11 @@ class StorageWriter(_StorageWriter):
             else:
                 assert isinstance(data, torch.Tensor)
                 tensor = data.detach()
+                if not tensor.is_contiguous() or (
+                    tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size()
+                ):
+                    # A view: saved alone, not with the whole storage it lies in.
+                    tensor = tensor.clone(memory_format=torch.contiguous_format)
             entry = str(i)
             entries[entry] = tensor
             size = tensor.numel() * tensor.element_size()
@@ -214,8 +239,12 @@ class _VersionWriter(StorageWriter):
     """The writer of one numbered version of a :class:`asyncstore.torch.Checkpointer`'s
     run: ``on_commit`` runs on the coordinator once the version is complete."""
 
-    def __init__(self, url: str, *, on_commit: Callable[[], None], **options: Any) -> None:
+    def __init__(
+        self, url: str, *, step: int, on_commit: Callable[[], None], **options: Any
+    ) -> None:
         super().__init__(url, **options)
+        self.step = step
+        self.committed = False  # read by the checkpointer: its step is not a leftover
         self._on_commit = on_commit
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -229,7 +258,18 @@ class _VersionWriter(StorageWriter):
         super().reset()
 
     def _committed(self) -> None:
-        self._on_commit()
+        self.committed = True
+        try:
+            self._on_commit()
+        except Exception as exc:
+            # The version is committed: what follows (retention, tidying) is the
+            # checkpointer's, and its failure (say, it was closed first) must not report the
+            # save as failed.
+            logger.warning(
+                "%s is saved, but its checkpointer could not run retention after it (%s)",
+                self.url,
+                exc,
+            )
 
     def __reduce__(self) -> Any:
         raise InvalidArgument(
@@ -247,8 +287,17 @@ class StorageReader(_StorageReader):
     naming the item's object and entry. Each rank reads only the entries its plan needs.
 
     ``.metadata`` is checksummed and unpickled with an allow-list of DCP's metadata classes;
-    the ranks' objects are read with ``weights_only=True``: a crafted checkpoint cannot run
-    code.
+    the ranks' objects are read with ``weights_only=True``, and so are the non-tensor values
+    in them (DCP's planner unpickles those with ``weights_only=False``: each is checked
+    first with torch's restricted unpickler): a crafted checkpoint cannot run code. A state
+    holding objects of your own classes needs ``weights_only=False``, for checkpoints you
+    trust.
+
+    Args:
+        url: the checkpoint's directory; DCP's ``checkpoint_id``, when given, takes its place.
+        store_options: options for :func:`asyncstore.open_store`.
+        weights_only: check every non-tensor value with torch's restricted unpickler before
+            DCP unpickles it (:class:`~asyncstore.UnsafeCheckpoint` if it refuses).
     """
 
     def __init__(
@@ -256,9 +305,13 @@ class StorageReader(_StorageReader):
         url: str | os.PathLike[str] | None = None,
         *,
         store_options: dict[str, Any] | None = None,
+        weights_only: bool = True,
     ) -> None:
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageReader")
+        if not isinstance(weights_only, bool):
+            raise InvalidArgument(f"StorageReader: weights_only={weights_only!r}: pass a bool")
+        self.weights_only = weights_only
         self.storage_data: dict[Any, tuple[str, str]] = {}
         self._saved: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
 
@@ -318,11 +371,14 @@ class StorageReader(_StorageReader):
             )
         return where
 
+    def _chunk_key(self, item: ReadItem) -> tuple[str, tuple[int, ...]]:
+        index = item.storage_index
+        return index.fqn, tuple(index.offset or ())
+
     def _fills_whole(self, item: ReadItem, target: torch.Tensor) -> bool:
         # The item is a whole saved shard, and the target the same shape and dtype,
         # contiguous on the CPU: the shard's bytes can be read straight into it.
-        index = item.storage_index
-        saved = self._saved.get((index.fqn, tuple(index.offset or ())))
+        saved = self._saved.get(self._chunk_key(item))
         return (
             saved is not None
             and all(offset == 0 for offset in item.storage_offsets)
@@ -364,19 +420,29 @@ class StorageReader(_StorageReader):
                     continue
             rest.append((item, target))
         if whole:
-            run_sync(_load((store, name), into=whole))
+            self._load(store, name, into=whole)
             for item, target in filled:
                 planner.commit_tensor(item, target)
         if not rest:
             return
         keys = sorted({self._entry(item)[1] for item, _ in rest})
-        loaded = run_sync(_load((store, name), keys=keys))
+        loaded = self._load(store, name, keys=keys)
         for item, target in rest:
-            value = loaded[self._entry(item)[1]]
-            if target is None:  # bytes
-                raw = ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
-                planner.load_bytes(item, io.BytesIO(raw))
+            entry = self._entry(item)[1]
+            value = loaded[entry]
+            if target is None:
+                planner.load_bytes(item, io.BytesIO(self._bytes(value, name, entry)))
                 continue
+            saved = self._saved.get(self._chunk_key(item))
+            if (
+                not isinstance(value, torch.Tensor)
+                or saved is None
+                or (tuple(value.shape), value.dtype) != saved
+            ):
+                raise IntegrityError(
+                    f"{self.url}/{name}: entry {entry} ({item.storage_index.fqn}) is not the "
+                    f"tensor {METADATA} describes: the checkpoint is damaged"
+                )
             source = value
             for dim, (start, length) in enumerate(
                 zip(item.storage_offsets, item.lengths, strict=True)
@@ -389,6 +455,46 @@ class StorageReader(_StorageReader):
                 )
             target.copy_(source)
             planner.commit_tensor(item, target)
+
+    def _load(self, store: Store, name: str, **options: Any) -> Any:
+        try:
+            return run_sync(_load((store, name), **options))
+        except NotFound:
+            raise IntegrityError(
+                f"{self.url}/{name} is missing: the checkpoint lost a rank's shards (damaged, "
+                "or deleted outside asyncstore); load an earlier one"
+            ) from None
+        except InvalidArgument as exc:
+            # into= found an entry of another shape or dtype than .metadata says.
+            raise IntegrityError(
+                f"{self.url}/{name} does not hold the tensors {METADATA} describes ({exc}): the "
+                "checkpoint is damaged"
+            ) from None
+
+    def _bytes(self, value: Any, name: str, entry: str) -> bytes:
+        # A non-tensor value: its pickle, as one flat run of uint8 the object holds whole.
+        if (
+            not isinstance(value, torch.Tensor)
+            or value.dtype != torch.uint8
+            or value.dim() != 1
+            or not value.is_contiguous()
+            or value.untyped_storage().nbytes() < value.storage_offset() + value.numel()
+        ):
+            raise IntegrityError(
+                f"{self.url}/{name}: entry {entry} should be a value's bytes and is not: the "
+                "checkpoint is damaged"
+            )
+        raw = ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
+        if self.weights_only:
+            try:
+                torch.load(io.BytesIO(raw), weights_only=True)
+            except Exception as exc:
+                raise UnsafeCheckpoint(
+                    f"{self.url}/{name}: entry {entry} holds a value that weights_only=True "
+                    f"refuses ({exc}); load checkpoints you trust with "
+                    "StorageReader(..., weights_only=False)"
+                ) from None
+        return raw
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
