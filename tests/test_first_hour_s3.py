@@ -97,6 +97,31 @@ async def test_create_is_idempotent_and_safe_between_racing_openers(seaweedfs: S
         assert sorted([i.key async for i in s.list()]) == [f"p{i}/k" for i in range(4)]
 
 
+def test_create_by_an_identity_without_the_right_is_permission_denied(tmp_path: Path) -> None:
+    limited = {
+        "access_key": "limited",
+        "secret_key": "limited-secret",
+        "actions": ["Read", "Write", "List"],
+    }
+    with SeaweedFS(data_dir=tmp_path / "weed", extra_identities=[limited]) as server:
+        server.create_bucket("exists")
+        options = server.store_options(
+            aws_access_key_id="limited", aws_secret_access_key="limited-secret", create=True
+        )
+
+        async def main() -> None:
+            async with asyncstore.open_store("s3://exists/p", **options) as store:
+                await store.put("k", b"v")  # an existing bucket needs no right to create
+            with pytest.raises(
+                asyncstore.PermissionDenied, match="not allowed to create bucket 'fresh'"
+            ):
+                async with asyncstore.open_store("s3://fresh/p", **options):
+                    pass
+
+        anyio.run(main)
+        assert "fresh" not in {b["Name"] for b in server.client().list_buckets()["Buckets"]}
+
+
 @pytest.mark.anyio
 async def test_create_when_not_allowed_is_permission_denied(seaweedfs: SeaweedFS) -> None:
     bucket = unique("denied")

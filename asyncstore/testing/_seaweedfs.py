@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -89,6 +90,10 @@ class SeaweedFS:
         startup_timeout: seconds :meth:`start` waits for the S3 endpoint to accept writes.
         s3_port: the S3 endpoint's port; 0 (the default) picks a free one. The other
             services always get free ports.
+        extra_identities: more S3 identities the server accepts, each a dict with
+            ``access_key``, ``secret_key`` and ``actions`` (SeaweedFS's: ``"Read"``,
+            ``"Write"``, ``"List"``, ``"Tagging"``, ``"Admin"``; creating buckets needs
+            ``"Admin"``), for tests of what a limited identity may do.
         volume_size_mb: the size at which SeaweedFS starts a new volume. Volumes are created
             sparse, at most 1000 of them, and each bucket takes one to start with: small
             volumes suit tests, larger ones a development server holding checkpoints.
@@ -106,11 +111,20 @@ class SeaweedFS:
         startup_timeout: float = 60.0,
         s3_port: int = 0,
         volume_size_mb: int = 64,
+        extra_identities: Sequence[dict[str, Any]] = (),
     ) -> None:
         if not 0 <= s3_port < 65536:
             raise ValueError(f"s3_port={s3_port!r}: use 0 (any free port) or a port number")
         if volume_size_mb < 1:
             raise ValueError(f"volume_size_mb={volume_size_mb!r}: use a size >= 1")
+        self._extra_identities = [
+            {
+                "name": f"extra-{index}",
+                "credentials": [{"accessKey": i["access_key"], "secretKey": i["secret_key"]}],
+                "actions": list(i["actions"]),
+            }
+            for index, i in enumerate(extra_identities)
+        ]
         self._fixed_s3_port = s3_port
         self._volume_size_mb = volume_size_mb
         self.access_key = access_key
@@ -216,7 +230,8 @@ class SeaweedFS:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        (self._data_dir / "s3.json").write_text(json.dumps({"identities": [identity]}))
+        identities = [identity, *self._extra_identities]
+        (self._data_dir / "s3.json").write_text(json.dumps({"identities": identities}))
         # weed reads master.toml from its working directory (the data dir). By default every
         # bucket (a collection) grows 7 volumes on its first write, so -volume.max volumes
         # would be used up after a handful of buckets; one volume per bucket is plenty.
