@@ -189,6 +189,8 @@ async def test_task_set_logs_a_detached_failure_once(caplog: pytest.LogCaptureFi
 def test_exit_hooks_run_in_step_order_and_survive_a_failing_hook() -> None:
     script = textwrap.dedent(
         """
+        import logging
+        logging.basicConfig()  # the application's logging: asyncstore itself never prints
         from asyncstore._concurrency import ExitStep, at_exit
         at_exit(ExitStep.STOP_THREADS, lambda: print("threads", flush=True))
         at_exit(ExitStep.STOP_LOOP, lambda: print("loop", flush=True))
@@ -233,6 +235,8 @@ def test_a_save_started_with_save_async_commits_at_exit(tmp_path: Path) -> None:
     target = tmp_path / "exit.ckpt"
     script = textwrap.dedent(
         f"""
+        import logging
+        logging.basicConfig()  # the application's logging: asyncstore itself never prints
         import torch, asyncstore.torch as at
         torch.manual_seed(0)
         state = {{f"w{{i}}": torch.randn(10_000_000) for i in range(4)}}
