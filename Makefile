@@ -32,18 +32,14 @@ pytest: setup
 
 # The API reference, from the docstrings of the public modules, into build/api/ (git-ignored).
 # Every warning pdoc raises (an annotation it cannot resolve, an import that fails, a docstring
-# it cannot process) is an error, so a broken reference fails `make test`. The two ignored
-# warnings are pdoc resolving `**options: Any` of open_store in the module the name is shown
-# under (asyncstore), which does not import Any; the signature still reads right.
+# it cannot process) is an error, so a broken reference fails `make test`.
 API_MODULES := asyncstore asyncstore.errors asyncstore.stores asyncstore.cache \
 	asyncstore.checkpoint asyncstore.torch asyncstore.torch.dcp asyncstore.metrics \
 	asyncstore.metrics.prometheus asyncstore.testing asyncstore.cli
-API_IGNORED := -W 'ignore:Error parsing type annotation Any for asyncstore.open_store.:UserWarning' \
-	-W 'ignore:Error parsing type annotation Any for asyncstore.stores.open_store.:UserWarning'
 
 docs-api: setup
 	rm -rf build/api
-	$(BIN)/python -W error $(API_IGNORED) -m pdoc --docformat restructuredtext \
+	$(BIN)/python -W error -m pdoc --docformat restructuredtext \
 		--output-directory build/api $(API_MODULES)
 
 test: lint typecheck docs-api pytest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from typing import Any, TypeVar
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
@@ -25,7 +26,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SCHEMES = "memory://NAME, file:///absolute/path (or a plain path) and s3://bucket/prefix"
 
 
-def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
+def open_store(url: str | os.PathLike[str], **options: typing.Any) -> Store:
     """Open the store at ``url``; no I/O happens until the store is used.
 
     Args:
