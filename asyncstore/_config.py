@@ -10,6 +10,7 @@ Vocabulary: sizes end in ``_bytes``; bounds on requests in flight are ``max_infl
 
 from __future__ import annotations
 
+import difflib
 import re
 import types
 import typing
@@ -57,9 +58,10 @@ def build(cls: type[C], values: dict[str, Any], where: str) -> C:
         field = _FIELD.search(at)
         if field is None:
             if text.startswith("Object contains unknown field"):
-                fields = ", ".join(cls.__struct_fields__)
+                unknown = text.split("`")[1] if text.count("`") >= 2 else ""
                 raise InvalidArgument(
-                    f"{where}: {text.replace('`', '')}; the options are: {fields}"
+                    f"{where}: unknown option {unknown!r}{_closest(unknown, cls)}; the options "
+                    f"are: {', '.join(cls.__struct_fields__)}"
                 ) from None
             raise InvalidArgument(text) from None  # a relation between fields, said in full
         name, inside = field.group(1), field.group(2)
@@ -74,6 +76,15 @@ def build(cls: type[C], values: dict[str, Any], where: str) -> C:
             problem += f"; use one of {', '.join(map(repr, choices))}"
         given = f"{name}=<hidden>" if name.startswith("aws_") else f"{name}={values.get(name)!r}"
         raise InvalidArgument(f"{given}: {problem} (an option of {where})") from None
+
+
+def _closest(name: str, cls: type[msgspec.Struct]) -> str:
+    # " (did you mean 'endpoint_url'?)" for a near miss (a typo, or part of a name).
+    fields = cls.__struct_fields__
+    near = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+    if not near and name:
+        near = [f for f in fields if f.startswith(name) or f.endswith(name) or name in f][:1]
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def _choices(cls: type[msgspec.Struct], name: str) -> list[object]:

@@ -10,6 +10,8 @@ Messages name the URL and key and say what to do next; they never contain creden
 
 from __future__ import annotations
 
+import re
+
 __all__ = [
     "AsyncStoreError",
     "InvalidArgument",
@@ -106,3 +108,12 @@ class UnsafeCheckpoint(AsyncStoreError):
     than the stored bytes can decode to, before anything of that size is allocated. Saving
     raises it for an object that cannot be pickled or a tensor on the meta device.
     """
+
+
+_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def _plain(error: BaseException | str) -> str:
+    """``error``'s message without terminal escape codes (torch's messages bold some
+    words), on one line: fit to quote inside an asyncstore error or a log line."""
+    return " ".join(_TERMINAL_CODES.sub("", str(error)).split())

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.anyio
         ),
         (DatasetConfig, {"shuffle": 1}, r"^shuffle=1: expected bool, got int"),
         (DatasetConfig, {"rank": 0}, r"^rank=0, world_size=None: pass rank and world_size"),
-        (DatasetConfig, {"depth": 3}, r"unknown field depth; the options are: cache_dir, "),
+        (DatasetConfig, {"depth": 3}, r"unknown option 'depth'; the options are: cache_dir, "),
     ],
 )
 def test_build_names_the_argument_and_what_was_expected(

@@ -327,3 +327,28 @@ def test_every_user_facing_digest_is_the_same_hex_string(
     assert json.loads(capsys.readouterr().out)["digest"] == result.digest
     assert main(["inspect", str(path)]) == 0
     assert f"digest      {result.digest}" in capsys.readouterr().out
+
+
+def test_a_misspelt_option_gets_the_closest_name() -> None:
+    from asyncstore import open_store
+
+    with pytest.raises(
+        InvalidArgument, match=r"unknown option 'endpoint' \(did you mean 'endpoint_url'\?\)"
+    ):
+        open_store("s3://bucket/prefix", endpoint="http://127.0.0.1:8333")
+    with pytest.raises(InvalidArgument, match=r"'part_byte' \(did you mean 'part_bytes'\?\)"):
+        open_store("s3://bucket/prefix", part_byte=5)
+
+
+def test_torch_messages_are_quoted_without_terminal_codes(tmp_path: Path) -> None:
+    import pathlib
+
+    from asyncstore import UnsafeCheckpoint
+
+    path = tmp_path / "plain.pt"
+    torch.save({"odd": pathlib.PurePosixPath("/x")}, path)  # a global weights_only refuses
+    with pytest.raises(UnsafeCheckpoint) as raised:
+        asyncstore.torch.load(path)
+    message = str(raised.value)
+    assert "\x1b" not in message  # torch bolds part of its message for terminals
+    assert "do those steps only if you trust the source" in message

@@ -83,7 +83,7 @@ def test_local_root_that_is_a_file(tmp_path: Path) -> None:
         ("s3://bucket", {"part_bytes": 1024}, r"part_bytes=1024: expected int >= 5242880"),
         ("s3://bucket", {"max_inflight": 0}, "max_inflight=0"),
         ("s3://bucket", {"max_attempts": "3"}, r"max_attempts='3': expected int, got str"),
-        ("s3://bucket", {"endpoint": "http://x"}, "unknown field endpoint; .*endpoint_url"),
+        ("s3://bucket", {"endpoint": "http://x"}, r"'endpoint' \(did you mean 'endpoint_url'\?\)"),
         ("s3://bucket", {"addressing_style": "sideways"}, "addressing_style='sideways'"),
         ("s3://bucket", {"read_timeout": 0}, "read_timeout=0"),
         ("/tmp/x", {"fsync": "yes"}, "fsync='yes'"),

@@ -17,7 +17,7 @@ import torch
 
 from .._concurrency import shield, to_thread
 from .._config import LoadConfig, build
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _plain
 from . import _format as fmt
 from ._pickle import dtype_of
 from ._reader import ChunkReader, manifest_of
@@ -688,9 +688,10 @@ async def _load_torch(
     except Exception as exc:
         if "weights_only" in str(exc) or "Weights only" in str(exc):
             raise UnsafeCheckpoint(
-                f"{src.url} is a torch.save file that weights_only=True refuses: {exc}"
+                f"{src.url} is a torch.save file that weights_only=True refuses: {_plain(exc)}"
             ) from exc
         raise IntegrityError(
-            f"{src.url} is neither an asyncstore checkpoint nor a file torch.load reads ({exc})"
+            f"{src.url} is neither an asyncstore checkpoint nor a file torch.load reads "
+            f"({_plain(exc)})"
         ) from exc
     return _select(obj, wanted, into, src.url)

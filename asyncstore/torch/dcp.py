@@ -56,10 +56,17 @@ from ..checkpoint._distributed import (
     read_metadata,
 )
 from ..checkpoint._save import _config as _save_config
-from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
+from ..errors import (
+    AsyncStoreError,
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    UnsafeCheckpoint,
+    _plain,
+)
 from ..stores import Store, open_store
 
-logger = logging.getLogger("asyncstore.checkpoint")
+_logger = logging.getLogger("asyncstore.checkpoint")
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -107,7 +114,7 @@ async def _commit(url: str, metadata: Metadata, options: dict[str, Any]) -> None
                 await store.delete(name)
         except (AsyncStoreError, OSError) as exc:
             # The checkpoint is committed: a failed tidy-up must not report it as failed.
-            logger.warning("%s: could not remove the replaced checkpoint's objects (%s)", url, exc)
+            _logger.warning("%s: could not remove the replaced checkpoint's objects (%s)", url, exc)
 
 
 async def _read_metadata(url: str, options: dict[str, Any]) -> Metadata:
@@ -265,7 +272,7 @@ class _VersionWriter(StorageWriter):
             # The version is committed: what follows (retention, tidying) is the
             # checkpointer's, and its failure (say, it was closed first) must not report the
             # save as failed.
-            logger.warning(
+            _logger.warning(
                 "%s is saved, but its checkpointer could not run retention after it (%s)",
                 self.url,
                 exc,
@@ -491,7 +498,7 @@ class StorageReader(_StorageReader):
             except Exception as exc:
                 raise UnsafeCheckpoint(
                     f"{self.url}/{name}: entry {entry} holds a value that weights_only=True "
-                    f"refuses ({exc}); load checkpoints you trust with "
+                    f"refuses ({_plain(exc)}); load checkpoints you trust with "
                     "StorageReader(..., weights_only=False)"
                 ) from None
         return raw
