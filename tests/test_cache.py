@@ -271,6 +271,27 @@ async def test_invalidate_drops_cached_blocks_on_disk(
         assert await cache.get("big", 0, 40 * KiB) == b"b" * 40 * KiB
 
 
+async def test_flush_puts_fetched_entries_where_other_processes_find_them(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Batches wait for more entries before they are written; make the wait long, so an entry
+    # reaches the shared disk tier only through flush() (or close) within this test.
+    monkeypatch.setattr("asyncstore.cache._writes.WRITE_DELAY", 30.0)
+    options: dict[str, Any] = {"memory_bytes": 1 << 20, "disk_dir": tmp_path, "disk_bytes": 1 << 20}
+    async with TieredCache(source, **options) as first, TieredCache(source, **options) as other:
+        assert await first.flush() is None  # nothing queued: at once
+        await first.get("obj/001")
+        await other.get("obj/001")  # still on its way to disk: a second fetch
+        assert [key for key, *_ in source.gets] == ["obj/001", "obj/001"]
+        await first.get("obj/002")
+        await other.flush()  # its own queue: obj/001 again, found on disk
+        with anyio.fail_after(10):  # well inside the 30 s a batch would otherwise wait
+            await first.flush()
+        assert await other.get("obj/002") == bytes([2]) * 10 * KiB
+        assert [key for key, *_ in source.gets] == ["obj/001", "obj/001", "obj/002"]
+        assert other.stats().disk.hits == 1
+
+
 async def test_warm(source: CountingStore) -> None:
     async with TieredCache(source, memory_bytes=1 << 20) as cache:
         assert await cache.warm(f"obj/{i:03d}" for i in range(10)) == 10

@@ -4,7 +4,6 @@ several workers."""
 
 from __future__ import annotations
 
-import time
 import warnings
 from pathlib import Path
 
@@ -82,8 +81,12 @@ def worker_of(ds: StreamingDataset[str], epoch: int, batch: int, workers: int) -
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_each_epochs_figures_across_workers_reach_the_training_process(
-    dataset_dir: Path, tmp_path: Path, shuffle: bool
+    dataset_dir: Path, tmp_path: Path, shuffle: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # Disk-tier batches wait long for more entries (the forked workers inherit this): the
+    # warm epoch below finds the cold epoch's samples on disk only if each worker flushed
+    # its writes when its iteration ended.
+    monkeypatch.setattr("asyncstore.cache._writes.WRITE_DELAY", 30.0)
     ds = StreamingDataset(
         dataset_dir,
         cache_dir=tmp_path / "cache",
@@ -98,10 +101,9 @@ def test_each_epochs_figures_across_workers_reach_the_training_process(
     )
     for epoch in range(2):
         ds.set_epoch(epoch)
+        # No pause: each worker puts what it fetched on the shared disk tier as its
+        # iteration ends, before the other worker may look for it in the next epoch.
         assert sorted(key for batch in loader for key in batch) == sorted(ds.plan())
-        # Disk writes follow the reads they come from by up to 20 ms: let the cold epoch's
-        # land before the other worker looks for them.
-        time.sleep(0.5)
     cold, warm = ds.epoch_stats(0), ds.epoch_stats(1)
     assert ds.stats() is None  # the training process read nothing itself
     # The cold epoch: every sample once, each read from the store.

@@ -560,6 +560,18 @@ class TieredCache(AsyncResource):
             await self._writes.settle()
             await self._disk_call(self._disk.remove, key)
 
+    async def flush(self) -> None:
+        """Write the entries still on their way to the disk tier, and return once they
+        are there: other processes sharing ``disk_dir`` then find them.
+
+        Entries fetched from the store reach the disk tier in batches, up to 20 ms after
+        the read that fetched them. Call this where another process is about to read what
+        this one fetched (:class:`~asyncstore.torch.StreamingDataset` does at the end of each
+        iteration). Without a disk tier, with nothing queued, or on a cache not open, it
+        returns at once.
+        """
+        await self._writes.flush()
+
     async def clear(self) -> None:
         """Empty the memory and disk tiers (the disk tier for every process sharing it)."""
         self._memory.clear()

@@ -63,6 +63,7 @@ class DiskWrites:
         self._task: asyncio.Task[None] | None = None
         self._batch_full = asyncio.Event()
         self._hurry = False
+        self._flushing = 0  # flush() calls waiting: batches go without waiting to fill
         self._stopped = False
 
     def queue(self, cache_key: str, data: bytes, etag: str | None) -> None:
@@ -83,7 +84,7 @@ class DiskWrites:
     async def _write_pending(self) -> None:
         try:
             while self._pending and not self._stopped:
-                if len(self._pending) < WRITE_BATCH and not self._hurry:
+                if len(self._pending) < WRITE_BATCH and not (self._hurry or self._flushing):
                     self._batch_full.clear()
                     with anyio.move_on_after(WRITE_DELAY):
                         await self._batch_full.wait()
@@ -107,6 +108,20 @@ class DiskWrites:
         fill (the cache is closing)."""
         self._hurry = True
         self._batch_full.set()
+
+    async def flush(self) -> None:
+        """Write what is queued now, and return once nothing queued is left unwritten.
+
+        Entries queued meanwhile are written too. A cancelled caller stops waiting; the
+        writes go on.
+        """
+        self._flushing += 1
+        try:
+            while (task := self._task) is not None and not task.done():
+                self._batch_full.set()
+                await asyncio.wait([task])
+        finally:
+            self._flushing -= 1
 
     async def settle(self) -> None:
         """Wait for the batch already handed to the disk thread, if any.

@@ -642,6 +642,9 @@ class _Session:
 
     async def close(self) -> DatasetStats:
         await self.prefetcher.aclose()
+        # Another worker may read in the next epoch what this one fetched at the end of
+        # this one: put it on the shared disk tier before the epoch counts as done.
+        await self.cache.flush()
         return DatasetStats(
             samples=self.samples, prefetch=self.prefetcher.stats(), cache=self.cache.stats()
         )
