@@ -60,6 +60,20 @@ def test_cache_stats_counts_what_the_cache_wrote(
     assert " 12" in text
 
 
+@pytest.mark.parametrize("action", ["stats", "clear"])
+def test_cache_verbs_take_a_relative_directory(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    action: str,
+) -> None:
+    fill(tmp_path, 3)
+    monkeypatch.chdir(tmp_path)
+    assert main(["cache", action, "cache"]) == 0
+    out = capsys.readouterr().out
+    assert ("removed 3 entries" if action == "clear" else " 3") in out
+
+
 def test_cache_clear_removes_every_entry_and_the_cache_refills(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

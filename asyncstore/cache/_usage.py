@@ -61,7 +61,7 @@ class DiskUsage(msgspec.Struct, frozen=True):
 
 
 def _index_of(directory: str | os.PathLike[str]) -> Path:
-    path = Path(directory) / _INDEX
+    path = Path(directory).absolute() / _INDEX  # a URI needs an absolute path
     if not path.is_file():
         raise NotFound(f"{os.fspath(directory)} does not exist or holds no disk cache ({_INDEX})")
     return path
