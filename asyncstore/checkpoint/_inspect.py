@@ -18,8 +18,8 @@ import torch
 from .._concurrency import to_thread
 from ..errors import IntegrityError
 from . import _format as fmt
+from ._load import storage_loader
 from ._packs import PACKS
-from ._pickle import dtype_of
 from ._reader import ChunkReader, manifest_of
 from ._target import open_source, resolve
 from ._unpickle import RestrictedUnpickler
@@ -159,20 +159,7 @@ async def _shapes(reader: ChunkReader) -> dict[int, list[int]]:
     structure = await reader.structure()
     by_id = {storage.id: storage for storage in reader.manifest.storages}
     ids: dict[int, int] = {}  # a placeholder storage's C pointer -> its id
-
-    def persistent_load(pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage"):
-            raise IntegrityError(f"the structure names an unknown object {pid!r}")
-        _, sid, dtype = pid
-        entry = by_id.get(sid)
-        if entry is None:
-            raise IntegrityError(f"the structure names a storage {sid!r} it lacks")
-        storage = torch.UntypedStorage(entry.nbytes, device="meta")  # type: ignore[no-untyped-call]
-        ids[storage._cdata] = sid
-        return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=storage, dtype=dtype_of(dtype), _internal=True
-        )
-
+    persistent_load = storage_loader(reader.source.url, by_id, {}, ids)
     unpickler = RestrictedUnpickler(io.BytesIO(structure), persistent_load, reader.source.url)
     try:
         obj = await to_thread(unpickler.load)

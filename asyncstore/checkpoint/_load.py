@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any, TypedDict
 
 import torch
@@ -319,20 +319,7 @@ async def _load(
     storages = await _read(reader, by_id, needed, map_location)
     meta: dict[int, int] = {}  # meta storage's C pointer -> storage id (for into=)
 
-    def persistent_load(pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage"):
-            raise IntegrityError(f"{src.url}: the structure names an unknown object {pid!r}")
-        _, sid, dtype = pid
-        entry = by_id.get(sid)
-        if entry is None:
-            raise IntegrityError(f"{src.url}: the structure names a storage {sid!r} it lacks")
-        storage = storages.get(sid)
-        if storage is None:  # not needed (keys=/into=): a placeholder without memory
-            storage = torch.UntypedStorage(entry.nbytes, device="meta")  # type: ignore[no-untyped-call]
-            meta[storage._cdata] = sid
-        return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=storage, dtype=dtype_of(dtype), _internal=True
-        )
+    persistent_load = storage_loader(src.url, by_id, storages, meta)
 
     async def unpickle() -> Any:
         meta.clear()
@@ -371,6 +358,36 @@ async def _load(
     _check_read(src.url, meta, [(top, value) for top, _, _, value in plan.sets])
     await _fill(reader, by_id, plan, meta, src.url)
     return into
+
+
+def storage_loader(
+    url: str,
+    by_id: Mapping[int, fmt.Storage],
+    storages: Mapping[int, torch.UntypedStorage],
+    placeholders: dict[int, int],
+) -> Callable[[Any], torch.storage.TypedStorage]:
+    """The ``persistent_load`` that unpickles a checkpoint's structure: each storage the
+    pickle names gets its bytes from ``storages``, or, when they were not read, a
+    placeholder on the meta device (no memory) whose C pointer is recorded in
+    ``placeholders`` with the storage's id. A name the manifest lacks is an
+    :class:`IntegrityError`."""
+
+    def persistent_load(pid: Any) -> torch.storage.TypedStorage:
+        if not (isinstance(pid, tuple) and len(pid) == 3 and pid[0] == "storage"):
+            raise IntegrityError(f"{url}: the structure names an unknown object {pid!r}")
+        _, sid, dtype = pid
+        entry = by_id.get(sid)
+        if entry is None:
+            raise IntegrityError(f"{url}: the structure names a storage {sid!r} it lacks")
+        storage = storages.get(sid)
+        if storage is None:
+            storage = torch.UntypedStorage(entry.nbytes, device="meta")  # type: ignore[no-untyped-call]
+            placeholders[storage._cdata] = sid
+        return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=storage, dtype=dtype_of(dtype), _internal=True
+        )
+
+    return persistent_load
 
 
 async def _read(
