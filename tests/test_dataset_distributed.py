@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
-import socket
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +21,7 @@ import asyncstore
 from asyncstore.testing import SeaweedFS
 
 from .conftest import BUCKET, s3_options, unique
+from .ranks import spawn_ranks, wait_ranks
 
 WORLD = 2
 WORKERS = 2
@@ -94,42 +90,9 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_ranks(cfg: dict[str, Any]) -> list[dict[str, Any]]:
     """Run RANK_SCRIPT in WORLD processes of a new gloo group; each rank's JSON report."""
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), json.dumps(cfg)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=90)
-            assert proc.returncode == 0, out
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    wait_ranks(spawn_ranks(RANK_SCRIPT, WORLD, json.dumps(cfg)), timeout=90)
     reports = []
     for rank in range(WORLD):
         report = json.loads((Path(cfg["out"]) / f"{cfg['phase']}-{rank}.json").read_text())

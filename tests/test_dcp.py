@@ -4,12 +4,10 @@ and to SeaweedFS."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
-import socket
 import subprocess
-import sys
-import textwrap
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ from asyncstore.testing import SeaweedFS
 from asyncstore.torch.dcp import StorageReader, StorageWriter
 
 from .conftest import BUCKET, s3_options, unique
+from .ranks import spawn_ranks, wait_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -163,40 +162,11 @@ os._exit(0)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_two_ranks_save_a_sharded_state_and_one_process_loads_it_whole(
     where: tuple[str, dict[str, Any]],
 ) -> None:
-    import json
-
     url, options = where
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(RANK_SCRIPT), url, json.dumps(options)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    for proc in procs:
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, out
+    wait_ranks(spawn_ranks(RANK_SCRIPT, 2, url, json.dumps(options)), timeout=180)
     # Loaded at a different world size: one process, plain tensors (DCP reshards).
     torch.manual_seed(0)
     full = {"rows": torch.randn(64, 16), "bias": torch.randn(16)}
@@ -319,38 +289,11 @@ os._exit(0)  # as in RANK_SCRIPT
 
 
 def spawn(world: int, job: dict[str, Any]) -> list[subprocess.Popen[str]]:
-    import json
-
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-c", textwrap.dedent(VERSION_SCRIPT), json.dumps(job)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    return procs
+    return spawn_ranks(VERSION_SCRIPT, world, json.dumps(job))
 
 
 def run_ranks(world: int, job: dict[str, Any]) -> None:
-    procs = spawn(world, job)
-    outputs = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=240)
-        outputs.append(out)
-    for rank, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {rank} of {world}:\n{outputs[rank]}"
+    wait_ranks(spawn(world, job), timeout=240)
 
 
 def full_values(step: int, rows: int) -> dict[str, torch.Tensor]:
