@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
-from asyncstore import IntegrityError, InvalidArgument
+from asyncstore import IntegrityError, InvalidArgument, NotFound
 from asyncstore.testing import SeaweedFS
 from asyncstore.torch.dcp import StorageReader, StorageWriter
 
@@ -277,6 +277,11 @@ with at.Checkpointer(
             check(loaded, loaded["step"], rows)
             if step is None:
                 assert loaded["step"] == job["newest"], loaded["step"]
+    elif job["mode"] == "fallback":
+        target = sharded({k: torch.zeros_like(v) for k, v in full(0, rows).items()}, 0)
+        step = ckpt.dcp_load(target)
+        assert step == job["newest"], step
+        check(target, step, rows)
     elif job["mode"] == "recover":
         loaded = load(ckpt, None, rows)
         assert loaded["step"] == job["newest"], loaded["step"]
@@ -442,6 +447,74 @@ def test_distributed_versions_are_listed_retained_verified_and_deleted(
         assert names[0] == "step-000000002.dcp/.metadata"
         assert len(names) == 2
         assert names[1].startswith("step-000000002.dcp/__0_")
+
+
+def _flip_a_byte(path: Path, at: float = 1 / 3) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_dcp_load_falls_back_from_a_damaged_version_to_the_newest_that_loads(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from asyncstore.torch import Checkpointer
+
+    run = tmp_path / "run"
+    with Checkpointer(run, compression=None) as ckpt:
+        for step in (1, 2, 3):
+            state_dict_saver.save(small(step), storage_writer=ckpt.dcp_writer(step))
+    (chunked,) = (run / "step-000000003.dcp").glob("__0_*.ckpt")
+    _flip_a_byte(chunked)  # a chunk of step 3: found only by reading it
+    _flip_a_byte(run / "step-000000002.dcp" / ".metadata", 0.5)  # found before any read
+    with Checkpointer(run) as ckpt:
+        target = {"w": torch.zeros(3, 5), "b": torch.zeros(4, dtype=torch.long), "step": 0}
+        with caplog.at_level("WARNING", logger="asyncstore.checkpoint"):
+            assert ckpt.dcp_load(target) == 1
+        assert torch.equal(target["w"], small(1)["w"])
+        assert torch.equal(target["b"], small(1)["b"])
+        assert target["step"] == 1
+        warned = caplog.text
+        assert "step-000000003.dcp" in warned
+        assert chunked.name in warned  # what failed, named
+        assert "step-000000002.dcp" in warned
+        assert [(v.step, v.state) for v in ckpt.versions()] == [
+            (1, "committed"),
+            (2, "damaged"),
+            (3, "damaged"),
+        ]
+        # The plain reader passes over what is known damaged or whose .metadata fails.
+        assert load_small(ckpt)["step"] == 1
+        # A step asked for by number loads that one or fails.
+        with pytest.raises(IntegrityError, match=r"step 3 .*does not load: rank 0: .*__0_"):
+            ckpt.dcp_load(target, 3)
+        assert ckpt.dcp_load(target, 1) == 1
+        with pytest.raises(NotFound, match="of step 7"):
+            ckpt.dcp_load(target, 7)
+        with pytest.raises(InvalidArgument, match="step="):
+            ckpt.dcp_load(target, -1)
+        # A state that does not fit the checkpoint is the caller's error: no fallback.
+        with pytest.raises(CheckpointException, match="nope"):
+            ckpt.dcp_load({**target, "nope": torch.zeros(2)})
+    _flip_a_byte(run / "step-000000001.dcp" / ".metadata", 0.5)
+    with Checkpointer(run) as ckpt:
+        with pytest.raises(IntegrityError, match=r"no distributed version .* loads") as caught:
+            ckpt.dcp_load(target)
+        for step in (1, 2, 3):
+            assert f"step {step}:" in str(caught.value)
+        with pytest.raises(IntegrityError, match="no distributed version"):
+            ckpt.dcp_reader()
+
+
+def test_a_rank_finding_its_shard_damaged_makes_every_rank_load_the_older_version(
+    tmp_path: Path,
+) -> None:
+    url, rows = str(tmp_path / "run"), 64
+    run_ranks(2, {"mode": "save", "url": url, "options": {}, "rows": rows, "steps": [1, 2]})
+    (theirs,) = (tmp_path / "run" / "step-000000002.dcp").glob("__1_*.ckpt")
+    _flip_a_byte(theirs)  # rank 1's row shards: rank 0 reads nothing from this object
+    job = {"mode": "fallback", "url": url, "options": {}, "rows": rows, "newest": 1}
+    run_ranks(2, job)
 
 
 def test_saving_a_step_again_keeps_the_old_version_whole_until_the_new_one_commits(

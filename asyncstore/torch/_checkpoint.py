@@ -20,9 +20,17 @@ from ..checkpoint import load as _load
 from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
+from ..checkpoint._manager import dcp_prefix
 from ..checkpoint._save import SaveOptions
 from ..checkpoint._target import resolve as _resolve
-from ..errors import InvalidArgument, NotFound, PermissionDenied, StoreError, StoreUnavailable
+from ..errors import (
+    IntegrityError,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    StoreError,
+    StoreUnavailable,
+)
 
 if TYPE_CHECKING:
     from . import dcp
@@ -184,13 +192,22 @@ def _agreed(find: Callable[[], int]) -> int:
             outcome[0] = ("ok", find())
         except Exception as exc:  # told to every rank, which would wait forever otherwise
             error = exc
-            outcome[0] = ("missing" if isinstance(exc, NotFound) else "failed", str(exc))
+            kind = (
+                "missing"
+                if isinstance(exc, NotFound)
+                else "damaged"
+                if isinstance(exc, IntegrityError)
+                else "failed"
+            )
+            outcome[0] = (kind, str(exc))
     dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if error is not None:
         raise error
     if kind == "missing":
         raise NotFound(value)
+    if kind == "damaged":
+        raise IntegrityError(value)
     if kind == "failed":
         raise StoreError(f"rank 0 could not find the version to load: {value}")
     return int(value)
@@ -307,15 +324,17 @@ class Checkpointer:
 
     def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
         """A ``torch.distributed.checkpoint`` storage reader of the distributed version of
-        ``step``, or of the newest one: on every rank, ``dcp.load(state,
-        storage_reader=ckpt.dcp_reader())``.
+        ``step``, or of the newest one whose ``.metadata`` verifies: on every rank,
+        ``dcp.load(state, storage_reader=ckpt.dcp_reader())``. :meth:`dcp_load` does the
+        same and falls back to an older version when a rank finds the newest damaged.
 
-        With ``step=None`` under an initialized process group, rank 0 finds the newest
-        version and tells the others (collectively: call it on every rank), so that every
-        rank loads the same version even if a save commits meanwhile.
+        With ``step=None`` under an initialized process group, rank 0 finds the version and
+        tells the others (collectively: call it on every rank), so that every rank loads the
+        same version even if a save commits meanwhile.
 
         Raises:
             NotFound: there is no distributed version (of ``step``, or at all).
+            IntegrityError: with ``step=None``, no version's ``.metadata`` verifies.
             InvalidArgument: ``step`` is not an int >= 0.
         """
         from . import dcp
@@ -323,20 +342,108 @@ class Checkpointer:
         ckpt = self._ckpt
         if step is not None:
             step = ckpt._check_step(step)
-        found = _agreed(lambda: self._newest_dcp(step))
+            found = _agreed(lambda: self._dcp_versions(step)[-1])
+        else:
+            found = _agreed(lambda: self._loadable_dcp({}))
         return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
 
-    def _newest_dcp(self, step: int | None) -> int:
-        versions = [v for v in self.versions() if v.kind == "dcp"]
+    def dcp_load(
+        self, state: dict[str, Any], step: int | None = None, *, planner: Any = None
+    ) -> int:
+        """Load a distributed version into ``state`` in place, on every rank (collectively),
+        and return its step: ``step = ckpt.dcp_load(state)``.
+
+        With ``step=None``, the newest version that loads whole. Rank 0 passes over versions
+        whose ``.metadata`` does not verify; when any rank finds a chunk damaged or a rank
+        object missing during the load (DCP reports every rank's failure to all of them),
+        the version is marked damaged, a warning names it and what failed, and every rank
+        loads the next older version, which fills every entry of ``state`` again. With
+        ``step``, that version only. ``planner`` goes to ``dcp.load``.
+
+        Raises:
+            NotFound: there is no distributed version (of ``step``, or at all).
+            IntegrityError: the version of ``step`` is damaged, or every version is (each
+                named with what failed).
+            InvalidArgument: ``step`` is not an int >= 0.
+            torch.distributed.checkpoint.api.CheckpointException: any other failure of the
+                load (say, a ``state`` whose shapes are not the checkpoint's), as
+                ``dcp.load`` raises it.
+        """
+        from torch.distributed.checkpoint import state_dict_loader
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from . import dcp
+
+        ckpt = self._ckpt
         if step is not None:
-            versions = [v for v in versions if v.step == step]
-        if not versions:
+            step = ckpt._check_step(step)
+        failed: dict[int, str] = {}  # step -> what failed (rank 0's copy decides)
+        while True:
+            if step is None:
+                found = _agreed(lambda: self._loadable_dcp(failed))
+            else:
+                found = _agreed(lambda: self._dcp_versions(step)[-1])
+            url = ckpt._dcp_url(found)
+            reader = dcp.StorageReader(url, store_options=ckpt._store_options)
+            try:
+                state_dict_loader.load(state, storage_reader=reader, planner=planner)
+            except CheckpointException as exc:
+                damage = [
+                    (rank, error)
+                    for rank, (error, _) in sorted(exc.failures.items())
+                    if isinstance(error, IntegrityError | NotFound)
+                ]
+                if not damage:
+                    raise
+                rank, error = damage[0]
+                why = f"rank {rank}: {error}"
+                ckpt._damaged.add((ckpt._store.url, dcp_prefix(found)))
+                if step is not None:
+                    raise IntegrityError(f"step {found} ({url}) does not load: {why}") from None
+                failed[found] = why
+                logger.warning("%s does not load (%s); loading an older version", url, why)
+            else:
+                return found
+
+    def _dcp_versions(self, step: int | None) -> list[int]:
+        # The distributed versions' steps (of ``step`` only, when given), oldest first.
+        steps = [v.step for v in self.versions() if v.kind == "dcp"]
+        if step is not None:
+            steps = [s for s in steps if s == step]
+        if not steps:
             which = "of step {step}" if step is not None else "at all"
             raise NotFound(
                 f"{self.url} holds no distributed version {which.format(step=step)} "
                 "(step-*.dcp/ with its .metadata): save one with dcp_writer(step)"
             )
-        return versions[-1].step
+        return steps
+
+    def _loadable_dcp(self, failed: dict[int, str]) -> int:
+        # The newest distributed version not known to be damaged whose .metadata verifies.
+        from . import dcp
+
+        ckpt = self._ckpt
+        damaged = {v.step for v in self.versions() if v.kind == "dcp" and v.state == "damaged"}
+        for step in reversed(self._dcp_versions(None)):
+            if step in failed:
+                continue
+            url = ckpt._dcp_url(step)
+            if step in damaged:
+                failed[step] = "found damaged earlier"
+                continue
+            try:
+                dcp.StorageReader(url, store_options=ckpt._store_options).read_metadata()
+            except (IntegrityError, NotFound) as exc:  # NotFound: deleted since it was listed
+                failed[step] = str(exc)
+                if isinstance(exc, IntegrityError):
+                    ckpt._damaged.add((ckpt._store.url, dcp_prefix(step)))
+                    logger.warning("%s is damaged (%s); passing over it", url, exc)
+                continue
+            return step
+        raise IntegrityError(
+            f"no distributed version of {self.url} loads: "
+            + "; ".join(f"step {s}: {why}" for s, why in sorted(failed.items(), reverse=True))
+        )
 
     def close(self) -> None:
         """Wait for the saves' retention and release the store; closing twice is harmless."""
