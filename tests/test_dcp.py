@@ -468,7 +468,8 @@ def test_dcp_load_falls_back_from_a_damaged_version_to_the_newest_that_loads(
     _flip_a_byte(chunked)  # a chunk of step 3: found only by reading it
     _flip_a_byte(run / "step-000000002.dcp" / ".metadata", 0.5)  # found before any read
     with Checkpointer(run) as ckpt:
-        target = {"w": torch.zeros(3, 5), "b": torch.zeros(4, dtype=torch.long), "step": 0}
+        target: dict[str, Any] = {"w": torch.zeros(3, 5), "b": torch.zeros(4, dtype=torch.long)}
+        target["step"] = 0
         with caplog.at_level("WARNING", logger="asyncstore.checkpoint"):
             assert ckpt.dcp_load(target) == 1
         assert torch.equal(target["w"], small(1)["w"])

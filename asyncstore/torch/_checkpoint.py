@@ -342,7 +342,7 @@ class Checkpointer:
         ckpt = self._ckpt
         if step is not None:
             step = ckpt._check_step(step)
-            found = _agreed(lambda: self._dcp_versions(step)[-1])
+            found = _agreed(lambda: self._dcp_versions(step)[-1].step)
         else:
             found = _agreed(lambda: self._loadable_dcp({}))
         return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
@@ -382,7 +382,7 @@ class Checkpointer:
             if step is None:
                 found = _agreed(lambda: self._loadable_dcp(failed))
             else:
-                found = _agreed(lambda: self._dcp_versions(step)[-1])
+                found = _agreed(lambda: self._dcp_versions(step)[-1].step)
             url = ckpt._dcp_url(found)
             reader = dcp.StorageReader(url, store_options=ckpt._store_options)
             try:
@@ -405,30 +405,30 @@ class Checkpointer:
             else:
                 return found
 
-    def _dcp_versions(self, step: int | None) -> list[int]:
-        # The distributed versions' steps (of ``step`` only, when given), oldest first.
-        steps = [v.step for v in self.versions() if v.kind == "dcp"]
+    def _dcp_versions(self, step: int | None) -> list[Version]:
+        # The distributed versions (of ``step`` only, when given), oldest first.
+        versions = [v for v in self.versions() if v.kind == "dcp"]
         if step is not None:
-            steps = [s for s in steps if s == step]
-        if not steps:
+            versions = [v for v in versions if v.step == step]
+        if not versions:
             which = "of step {step}" if step is not None else "at all"
             raise NotFound(
                 f"{self.url} holds no distributed version {which.format(step=step)} "
                 "(step-*.dcp/ with its .metadata): save one with dcp_writer(step)"
             )
-        return steps
+        return versions
 
     def _loadable_dcp(self, failed: dict[int, str]) -> int:
         # The newest distributed version not known to be damaged whose .metadata verifies.
         from . import dcp
 
         ckpt = self._ckpt
-        damaged = {v.step for v in self.versions() if v.kind == "dcp" and v.state == "damaged"}
-        for step in reversed(self._dcp_versions(None)):
+        for version in reversed(self._dcp_versions(None)):
+            step = version.step
             if step in failed:
                 continue
             url = ckpt._dcp_url(step)
-            if step in damaged:
+            if version.state == "damaged":
                 failed[step] = "found damaged earlier"
                 continue
             try:
