@@ -69,7 +69,7 @@ def forge(spec: Forged) -> bytes:
     )
     storages = []
     for index, s in enumerate(spec.storages):
-        chunks = [chunk(s.data, s.codec, s.raw, s.stored)] if s.data or s.raw else []
+        chunks = (chunk(s.data, s.codec, s.raw, s.stored),) if s.data or s.raw else ()
         storages.append(
             fmt.Storage(
                 index if s.id is None else s.id,

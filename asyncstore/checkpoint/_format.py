@@ -78,7 +78,7 @@ ZSTD_MAX_RATIO = (128 * 1024) // 4
 _WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
 
 
-class Chunk(msgspec.Struct, array_like=True, frozen=True):
+class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """One stored piece of a storage (or of the structure).
 
     Encoded as an array, the same in every format version (a chunk in a pack is marked in
@@ -93,7 +93,7 @@ class Chunk(msgspec.Struct, array_like=True, frozen=True):
     raw_xxh3: int  # of the decoded bytes, checked after
 
 
-class Storage(msgspec.Struct, frozen=True, omit_defaults=True):
+class Storage(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     """A tensor storage: its bytes, in chunks, and what is needed to rebuild it."""
 
     id: int  # the persistent id the structure refers to it by
@@ -101,10 +101,14 @@ class Storage(msgspec.Struct, frozen=True, omit_defaults=True):
     dtype: str  # element type of its first reference ("float32"), for the byte shuffle
     location: str  # device it was saved from ("cpu", "cuda:0")
     name: str  # the entry that first referenced it, for messages
-    chunks: list[Chunk]
+    # Tuples, not lists: a load holds one Storage per tensor until it ends, and tuples of
+    # untracked items leave the cyclic collector's lists (so do Storage and Chunk, gc=False:
+    # they hold no references that could form a cycle), which a state of many small
+    # tensors would otherwise fill, at a full collection per few thousand tensors.
+    chunks: tuple[Chunk, ...]
     # Version 2: for each chunk, the index in Manifest.packs of the pack holding it, or
     # INLINE. Empty (and not written) when every chunk is inline.
-    packs: list[int] = msgspec.field(default_factory=list)
+    packs: tuple[int, ...] = ()
 
     def pack_of(self, index: int) -> int:
         """The pack index of chunk ``index`` (``INLINE``: in the checkpoint object)."""

@@ -378,8 +378,8 @@ class SaveJob:
                     dtype=dtype_name(s.dtype),
                     location=s.location,
                     name=s.name,
-                    chunks=data.chunks[s.id],
-                    packs=data.chunk_packs[s.id] if packs else [],
+                    chunks=tuple(data.chunks[s.id]),
+                    packs=tuple(data.chunk_packs[s.id]) if packs else (),
                 )
                 for s in self._storages
             ],
