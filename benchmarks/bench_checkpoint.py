@@ -425,7 +425,7 @@ def run_small_loads(tmp: Path, say: Say, rounds: int = 7) -> None:
     torch.save(state, tmp / "small.pt")
     asyncstore.torch.save(state, tmp / "small.ckpt", compression=None)
     times: dict[str, list[float]] = {"torch": [], "ours": []}
-    loaders = {
+    loaders: dict[str, Callable[[], object]] = {
         "torch": lambda: torch.load(tmp / "small.pt", weights_only=True),
         "ours": lambda: asyncstore.torch.load(tmp / "small.ckpt"),
     }
