@@ -185,8 +185,8 @@ def _start_server(data_dir: Path) -> tuple[subprocess.Popen[str], str, dict[str,
     return proc, endpoint.group(1), options
 
 
-def _interrupt(proc: subprocess.Popen[str]) -> int:
-    proc.send_signal(signal.SIGINT)
+def _interrupt(proc: subprocess.Popen[str], sig: signal.Signals = signal.SIGINT) -> int:
+    proc.send_signal(sig)
     try:
         return proc.wait(timeout=30)
     finally:
@@ -225,7 +225,7 @@ def test_local_server_serves_many_buckets_and_keeps_them(tmp_path: Path) -> None
     try:
         anyio.run(get_all, options)
     finally:
-        assert _interrupt(proc) == 0
+        assert _interrupt(proc, signal.SIGTERM) == 0  # as a service manager stops it
 
 
 # -- saves that do not block on the network ----------------------------------------------

@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import sys
-import time
+import threading
 from types import FrameType
 from typing import Any
 
@@ -78,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
         s3_port=args.port,
         volume_size_mb=_VOLUME_SIZE_MB,
     )
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
             server.start()
@@ -88,20 +89,25 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"asyncstore server: {exc}", file=sys.stderr)
             return 1
         print(_instructions(server, data_dir, args.bucket), flush=True)
+        # From here Ctrl-C and SIGTERM only set a flag. An exception raised wherever the
+        # signal lands could land inside subprocess's poll() of the server, between its
+        # lock's acquire and its try, and leave the lock held: stop() would then wait for
+        # that lock forever.
+        for sig in previous:
+            signal.signal(sig, lambda signum, frame: stop.set())
         while server.running:
-            time.sleep(0.5)
+            if stop.wait(0.5):
+                print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
+                return 0
     except KeyboardInterrupt:
         print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
         return 0
-    else:
-        print(
-            f"asyncstore server: SeaweedFS exited on its own; see {server.log_path}",
-            file=sys.stderr,
-        )
-        return 1
     finally:
         server.stop(timeout=5.0)
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"asyncstore server: SeaweedFS exited on its own; see {server.log_path}", file=sys.stderr)
+    return 1
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
