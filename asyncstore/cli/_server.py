@@ -12,7 +12,7 @@ import json
 import os
 import signal
 import sys
-import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         s3_port=args.port,
         volume_size_mb=_VOLUME_SIZE_MB,
     )
-    stop = threading.Event()
+    stopping: list[int] = []  # the signals received once the server runs
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -89,16 +89,18 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"asyncstore server: {exc}", file=sys.stderr)
             return 1
         print(_instructions(server, data_dir, args.bucket), flush=True)
-        # From here Ctrl-C and SIGTERM only set a flag. An exception raised wherever the
+        # From here Ctrl-C and SIGTERM are only noted. An exception raised wherever the
         # signal lands could land inside subprocess's poll() of the server, between its
         # lock's acquire and its try, and leave the lock held: stop() would then wait for
-        # that lock forever.
+        # that lock forever. (Nor may the handler take a lock, as Event.set() does: the
+        # main thread may hold it.)
         for sig in previous:
-            signal.signal(sig, lambda signum, frame: stop.set())
-        while server.running:
-            if stop.wait(0.5):
-                print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
-                return 0
+            signal.signal(sig, lambda signum, frame: stopping.append(signum))
+        while server.running and not stopping:
+            time.sleep(0.2)
+        if stopping:
+            print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
+            return 0
     except KeyboardInterrupt:
         print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
         return 0
