@@ -896,6 +896,10 @@ class Checkpointer(AsyncResource):
     def _dcp_url(self, step: int) -> str:
         return f"{self._store.url}/{dcp_prefix(step)}".rstrip("/")
 
+    def _dcp_damaged(self, step: int) -> None:
+        # A load found the distributed version of ``step`` damaged: listings say so.
+        self._damaged.add((self._store.url, dcp_prefix(step)))
+
     def _dcp_writing(self) -> set[int]:
         # Steps that writers of this process are still saving (not committed, not dropped).
         return {w.step for w in list(self._dcp_writers) if not w.committed}

@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
         s3_port=args.port,
         volume_size_mb=_VOLUME_SIZE_MB,
     )
-    stopping: list[int] = []  # the signals received once the server runs
+    stopping: list[int] = []  # the stop signals received (Ctrl-C, SIGTERM)
     previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
@@ -98,16 +98,16 @@ def _serve(args: argparse.Namespace) -> int:
             signal.signal(sig, lambda signum, frame: stopping.append(signum))
         while server.running and not stopping:
             time.sleep(0.2)
+    except KeyboardInterrupt:  # while the server was starting
+        stopping.append(signal.SIGINT)
+    finally:
         if stopping:
             print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
-            return 0
-    except KeyboardInterrupt:
-        print("stopping; the data stays in " + data_dir, file=sys.stderr, flush=True)
-        return 0
-    finally:
         server.stop(timeout=5.0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if stopping:
+        return 0
     print(f"asyncstore server: SeaweedFS exited on its own; see {server.log_path}", file=sys.stderr)
     return 1
 

@@ -20,7 +20,6 @@ from ..checkpoint import load as _load
 from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
-from ..checkpoint._manager import dcp_prefix
 from ..checkpoint._save import SaveOptions
 from ..checkpoint._target import resolve as _resolve
 from ..errors import (
@@ -342,9 +341,7 @@ class Checkpointer:
         ckpt = self._ckpt
         if step is not None:
             step = ckpt._check_step(step)
-            found = _agreed(lambda: self._dcp_versions(step)[-1].step)
-        else:
-            found = _agreed(lambda: self._loadable_dcp({}))
+        found = self._agreed_dcp(step, {})
         return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
 
     def dcp_load(
@@ -379,10 +376,7 @@ class Checkpointer:
             step = ckpt._check_step(step)
         failed: dict[int, str] = {}  # step -> what failed (rank 0's copy decides)
         while True:
-            if step is None:
-                found = _agreed(lambda: self._loadable_dcp(failed))
-            else:
-                found = _agreed(lambda: self._dcp_versions(step)[-1].step)
+            found = self._agreed_dcp(step, failed)
             url = ckpt._dcp_url(found)
             reader = dcp.StorageReader(url, store_options=ckpt._store_options)
             try:
@@ -397,13 +391,20 @@ class Checkpointer:
                     raise
                 rank, error = damage[0]
                 why = f"rank {rank}: {error}"
-                ckpt._damaged.add((ckpt._store.url, dcp_prefix(found)))
+                ckpt._dcp_damaged(found)
                 if step is not None:
                     raise IntegrityError(f"step {found} ({url}) does not load: {why}") from None
                 failed[found] = why
                 logger.warning("%s does not load (%s); loading an older version", url, why)
             else:
                 return found
+
+    def _agreed_dcp(self, step: int | None, failed: dict[int, str]) -> int:
+        # The version every rank loads: ``step``'s, or the newest that may load (rank 0's
+        # choice, collectively under a process group).
+        if step is not None:
+            return _agreed(lambda: self._dcp_versions(step)[-1].step)
+        return _agreed(lambda: self._loadable_dcp(failed))
 
     def _dcp_versions(self, step: int | None) -> list[Version]:
         # The distributed versions (of ``step`` only, when given), oldest first.
@@ -436,7 +437,7 @@ class Checkpointer:
             except (IntegrityError, NotFound) as exc:  # NotFound: deleted since it was listed
                 failed[step] = str(exc)
                 if isinstance(exc, IntegrityError):
-                    ckpt._damaged.add((ckpt._store.url, dcp_prefix(step)))
+                    ckpt._dcp_damaged(step)
                     logger.warning("%s is damaged (%s); passing over it", url, exc)
                 continue
             return step
