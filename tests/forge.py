@@ -30,6 +30,8 @@ class ForgedStorage:
     codec: str = "raw"
     raw: int | None = None  # the raw size its chunk claims; default: len(data)
     stored: bytes | None = None  # the chunk's stored bytes as they are, not encoded here
+    pack: int | None = None  # the index in Forged.packs of the pack its chunk lies in
+    stored_claim: int | None = None  # the stored size its chunk claims; default: the real one
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Forged:
     structure_codec: str = "raw"
     structure_raw: int | None = None  # the decoded size the manifest claims
     structure_stored: bytes | None = None  # its stored bytes as they are
+    packs: list[str] = field(default_factory=list)  # the packs' keys, as the manifest names them
 
 
 def _encode(data: bytes, codec: str) -> bytes:
@@ -48,16 +51,35 @@ def _encode(data: bytes, codec: str) -> bytes:
 
 def forge(spec: Forged) -> bytes:
     """A checkpoint object holding exactly what ``spec`` says, checksums and all."""
+    checkpoint, packs = forge_packed(spec)
+    assert not packs, "a spec with packs: use forge_packed"
+    return checkpoint
+
+
+def forge_packed(spec: Forged) -> tuple[bytes, dict[str, bytes]]:
+    """A checkpoint object holding exactly what ``spec`` says, and the packs its chunks lie
+    in (by key, relative to the checkpoint's directory), checksums and all."""
     out = io.BytesIO()
     out.write(fmt.MAGIC)
+    packs = {name: io.BytesIO() for name in spec.packs}
+    for pack in packs.values():
+        pack.write(fmt.PACK_MAGIC)
 
-    def chunk(data: bytes, codec: str, raw: int | None, given: bytes | None) -> fmt.Chunk:
+    def chunk(
+        data: bytes,
+        codec: str,
+        raw: int | None,
+        given: bytes | None,
+        pack: int | None = None,
+        claim: int | None = None,
+    ) -> fmt.Chunk:
         stored = _encode(data, codec) if given is None else given
-        offset = out.tell()
-        out.write(stored)
+        into = out if pack is None else packs[spec.packs[pack]]
+        offset = into.tell()
+        into.write(stored)
         return fmt.Chunk(
             offset,
-            len(stored),
+            len(stored) if claim is None else claim,
             len(data) if raw is None else raw,
             codec,
             xxhash.xxh3_64_intdigest(stored),
@@ -69,7 +91,11 @@ def forge(spec: Forged) -> bytes:
     )
     storages = []
     for index, s in enumerate(spec.storages):
-        chunks = (chunk(s.data, s.codec, s.raw, s.stored),) if s.data or s.raw else ()
+        chunks = (
+            (chunk(s.data, s.codec, s.raw, s.stored, s.pack, s.stored_claim),)
+            if s.data or s.raw
+            else ()
+        )
         storages.append(
             fmt.Storage(
                 index if s.id is None else s.id,
@@ -78,6 +104,7 @@ def forge(spec: Forged) -> bytes:
                 s.location,
                 s.name,
                 chunks,
+                (s.pack,) if s.pack is not None and chunks else (),
             )
         )
     manifest = fmt.Manifest(
@@ -90,6 +117,7 @@ def forge(spec: Forged) -> bytes:
         sum(len(s.data) for s in spec.storages),
         out.tell(),
         0,
+        packs=list(spec.packs),
     )
     manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
     encoded = fmt.encode_manifest(manifest)
@@ -99,7 +127,7 @@ def forge(spec: Forged) -> bytes:
         fmt.FORMAT_VERSION, 0, offset, len(encoded), xxhash.xxh3_64_intdigest(encoded)
     )
     out.write(fmt.encode_footer(footer))
-    return out.getvalue()
+    return out.getvalue(), {name: pack.getvalue() for name, pack in packs.items()}
 
 
 # -- pickles built opcode by opcode ----------------------------------------------------------

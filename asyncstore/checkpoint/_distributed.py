@@ -8,7 +8,9 @@ where each item lies). The checkpoint is complete once ``.metadata`` is there, a
 of the rank objects that ``.metadata`` names and nothing else: ``<save>`` is new for every
 save, so a save into a directory that holds a checkpoint never writes over an object the
 current ``.metadata`` names; that checkpoint stays whole until the new ``.metadata``
-replaces it (atomically), and its objects are removed after.
+replaces it (atomically), and its objects are removed after: those that are rank objects a
+save wrote there (named so, and starting with the checkpoint magic; see
+:func:`is_rank_object`), since a ``.metadata`` is checksummed, not proof of who wrote it.
 
 ``.metadata`` is ``MAGIC``, the xxh3-64 of the pickle (little-endian), then the pickle. It is
 read with an unpickler that builds only what DCP's metadata is made of (its dataclasses,
@@ -26,8 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, NotFound
 from ..stores import CleansUpWrites, Store
+from . import _format as fmt
+from ._unpickle import BoundedUnpickler
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -37,6 +41,7 @@ __all__ = [
     "RANK_OBJECT",
     "decode_metadata",
     "encode_metadata",
+    "is_rank_object",
     "objects_named",
     "read_metadata",
     "remove_checkpoint",
@@ -57,12 +62,16 @@ def encode_metadata(metadata: Metadata) -> bytes:
     return _HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data)) + data
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata classes and the torch values they hold; nothing else."""
+class _MetadataUnpickler(BoundedUnpickler):
+    """Builds DCP's metadata classes and the torch values they hold; nothing else.
+
+    The pure-Python unpickler with lengths checked against the pickle (see
+    :class:`BoundedUnpickler`): the C one allocates whatever length a crafted ``BINBYTES8``
+    claims before it finds the bytes missing.
+    """
 
     def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data))
-        self._where = where
+        super().__init__(io.BytesIO(data), where)
 
     def find_class(self, module: str, name: str) -> Any:
         import torch
@@ -138,6 +147,24 @@ async def read_metadata(store: Store, prefix: str) -> Metadata:
     """
     key = prefix + METADATA
     return decode_metadata(await store.get(key), f"{store.url}/{key}")
+
+
+async def is_rank_object(store: Store, prefix: str, name: str) -> bool:
+    """Whether ``name`` (as a ``.metadata`` names it) is a rank object that a save wrote
+    directly under ``prefix``: named ``__<rank>_<save>.ckpt``, and starting with the
+    checkpoint magic (one ranged read of its first 8 bytes). ``False`` too when it is gone.
+
+    A ``.metadata`` is only checksummed, not proof of who wrote it: one crafted or copied
+    from elsewhere may name the user's files (``notes.txt``, ``../precious.txt``, a file of
+    theirs named like a rank object), which nothing may delete on its word.
+    """
+    if not RANK_OBJECT.match(name) or "/" in name or ".." in name:
+        return False
+    try:
+        head = await store.get(prefix + name, 0, len(fmt.MAGIC))
+    except NotFound:
+        return False
+    return head == fmt.MAGIC
 
 
 def _ours(name: str) -> bool:

@@ -2,6 +2,9 @@
 
 :class:`ChunkReader` reads chunks into the memory they decode to (a tensor's storage),
 consecutive chunks in one read, and checks every one against its checksums before use.
+Where a chunk lies is checked against the object it lies in before anything is allocated
+for it: the manifest's own chunks against the checkpoint object when the manifest is read,
+a pack's against the pack's real size (:meth:`ChunkReader.check_extents`).
 :func:`~asyncstore.checkpoint.load` decides which chunks to read and what to build from
 them.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterable
 
 import torch
 import xxhash
@@ -76,6 +80,7 @@ class ChunkReader:
         self.reads = asyncio.Semaphore(_READS)
         self.decoders = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
         self._packs: dict[int, Source] = {}
+        self._sizes: dict[int, int] = {}  # pack index -> the pack's real size, once known
 
     def _source(self, pack: int) -> Source:
         if pack == fmt.INLINE:
@@ -104,6 +109,63 @@ class ChunkReader:
                         "checkpoint is damaged (a pack deleted outside asyncstore?); load an "
                         "earlier one"
                     ) from None
+
+    async def _pack_size(self, pack: int) -> int:
+        # The size of the file or object itself (fstat of the file opened, or a stat that
+        # also pins every later read of an S3 object to the version it saw), never a figure
+        # written in a manifest.
+        size = self._sizes.get(pack)
+        if size is None:
+            source = self._source(pack)
+            try:
+                size = await source.size()
+            except NotFound:
+                raise IntegrityError(
+                    f"{self.source.url}: its chunks lie in {self.manifest.packs[pack]}, which "
+                    "is missing: the checkpoint is damaged (a pack deleted outside "
+                    "asyncstore?); load an earlier one"
+                ) from None
+            self._sizes[pack] = size
+        return size
+
+    async def check_extents(self, entries: Iterable[fmt.Storage]) -> None:
+        """Check that every chunk of ``entries`` that lies in a pack ends within that
+        pack's real size, before anything is allocated or read for them. (The chunks in the
+        checkpoint object were checked against it with the manifest.)
+
+        Raises:
+            IntegrityError: a chunk claims bytes past the end of its pack (naming the pack,
+                the bytes claimed and the pack's size), or a pack is missing.
+        """
+        await self._check_extents(
+            (entry.pack_of(index), chunk, entry, index)
+            for entry in entries
+            if entry.packs
+            for index, chunk in enumerate(entry.chunks)
+        )
+
+    async def _check_extents(
+        self, chunks: Iterable[tuple[int, fmt.Chunk, fmt.Storage | str, int]]
+    ) -> None:
+        # A manifest's figures are checked against the sizes of the packs themselves: a
+        # few hundred bytes of crafted manifest would otherwise have the reader allocate
+        # (and read into) whatever a chunk claims, gigabytes of it.
+        in_packs = [item for item in chunks if item[0] != fmt.INLINE]
+        for pack in sorted({item[0] for item in in_packs}):
+            await self._pack_size(pack)
+        for pack, chunk, owner, index in in_packs:
+            size = self._sizes[pack]
+            end = chunk.offset + chunk.stored
+            if end > size:
+                what = (
+                    owner if isinstance(owner, str) else f"chunk {index} of tensor {owner.name!r}"
+                )
+                raise IntegrityError(
+                    f"{self.source.url}: {what} claims bytes {chunk.offset:,}-{end:,} "
+                    f"({chunk.stored:,} stored) of {self._source(pack).url}, which holds "
+                    f"{size:,} bytes: the checkpoint is damaged or crafted; load an earlier "
+                    "one"
+                )
 
     async def aclose(self) -> None:
         """Close the packs' sources (the checkpoint's own is the caller's)."""
@@ -198,7 +260,17 @@ class ChunkReader:
         await to_thread(self._decode_span, data, start, span, limiter=self.decoders)
 
     async def read(self, targets: list[ChunkRead]) -> None:
-        """Read and verify every target, consecutive chunks of one object together."""
+        """Read and verify every target, consecutive chunks of one object together.
+
+        Raises:
+            IntegrityError: a chunk lies past the end of its pack (checked before any
+                read), or does not match its checksums.
+        """
+        await self._check_extents((t.pack, t.chunk, t.what, 0) for t in targets)
+        await self._read(targets)
+
+    async def _read(self, targets: list[ChunkRead]) -> None:
+        # The targets' extents are checked (see _check_extents).
         targets = sorted(targets, key=lambda t: (t.pack, t.chunk.offset))
         spans: list[list[ChunkRead]] = []
         for target in targets:
@@ -235,15 +307,22 @@ class ChunkReader:
         return bytes(out)
 
     async def storages(self, entries: list[fmt.Storage]) -> dict[int, torch.UntypedStorage]:
-        """Each entry's storage, read and verified (on the CPU)."""
+        """Each entry's storage, read and verified (on the CPU).
+
+        Raises:
+            IntegrityError: a chunk lies past the end of its pack (checked before any
+                storage is allocated), or does not match its checksums.
+            UnsafeCheckpoint: the storages need more memory than the machine has free.
+        """
         out: dict[int, torch.UntypedStorage] = {}
         targets: list[ChunkRead] = []
+        await self.check_extents(entries)
         check_memory(sum(entry.nbytes for entry in entries), self.source.url)
         for entry in entries:
             storage, memory = fixed_storage(entry.nbytes)
             targets += self._reads_into(entry, memory)
             out[entry.id] = storage
-        await self.read(targets)
+        await self._read(targets)
         return out
 
     async def read_into(self, entry: fmt.Storage, memory: memoryview) -> None:
@@ -252,7 +331,8 @@ class ChunkReader:
         one ``preadv``). On an error, ``memory`` may hold some of the bytes."""
         if len(memory) != entry.nbytes:
             raise ValueError(f"read_into: {len(memory)} bytes for a {entry.nbytes}-byte storage")
-        await self.read(self._reads_into(entry, memory))
+        await self.check_extents([entry])
+        await self._read(self._reads_into(entry, memory))
 
     def _reads_into(self, entry: fmt.Storage, memory: memoryview) -> list[ChunkRead]:
         targets = []

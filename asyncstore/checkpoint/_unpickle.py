@@ -25,14 +25,22 @@ import collections
 import io
 import pickle
 import reprlib
+import struct
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ..errors import UnsafeCheckpoint
+from ..errors import IntegrityError, UnsafeCheckpoint
 
-__all__ = ["MAX_DIMS", "MAX_KEY_DEPTH", "PlainUnpickler", "RestrictedUnpickler", "check_view"]
+__all__ = [
+    "MAX_DIMS",
+    "MAX_KEY_DEPTH",
+    "BoundedUnpickler",
+    "PlainUnpickler",
+    "RestrictedUnpickler",
+    "check_view",
+]
 
 # More dimensions than any real tensor has; a bound on what one view check walks.
 MAX_DIMS = 256
@@ -227,21 +235,63 @@ _DTYPES = {
 # above: they build nothing large from their arguments.
 _NEW_OK = (complex, slice, range, torch.device, torch.nn.Parameter)
 
-# The restricted unpickler's opcode table: pickle's own, with the opcodes that call, set
-# state or insert replaced by the checked versions below. Every other opcode pushes a
-# constant, builds a tuple or list from what is already on the stack, or uses the memo.
 _PyUnpickler: Any = pickle._Unpickler  # the pure-Python one: its opcodes can be replaced
-_dispatch: dict[int, Callable[..., None]] = dict(_PyUnpickler.dispatch)
+_bounded: dict[int, Callable[..., None]] = dict(_PyUnpickler.dispatch)
 
 
-class RestrictedUnpickler(_PyUnpickler):  # type: ignore[misc]
+class BoundedUnpickler(_PyUnpickler):  # type: ignore[misc]
+    """pickle's pure-Python unpickler, reading a pickle held in memory, with every length
+    the pickle gives checked against the pickle's own size before anything of that length
+    is allocated.
+
+    pickle's ``BYTEARRAY8`` allocates the length it reads, then reads into it (the C
+    unpickler does so for ``BINBYTES`` and ``BINBYTES8`` too): eleven crafted bytes would
+    otherwise take gigabytes. Every other length the pure-Python unpickler reads is a read
+    of the bytes that are there. Subclasses add their own checks; ``where`` names the file
+    in messages.
+
+    Raises (from :meth:`load`):
+        IntegrityError: a length past the end of the pickle.
+    """
+
+    dispatch = _bounded
+
+    def __init__(self, file: io.BytesIO, where: str) -> None:
+        super().__init__(file)
+        self._pickle_bytes = file.getbuffer().nbytes
+        self._where = where
+
+    def load_bytearray8(self) -> None:
+        (size,) = struct.unpack("<Q", self.read(8))
+        if size > self._pickle_bytes:
+            raise IntegrityError(
+                f"{self._where}: the pickle claims a bytearray of {size:,} bytes but holds "
+                f"{self._pickle_bytes:,} bytes in all: it is damaged or crafted"
+            )
+        value = bytearray(size)
+        self.readinto(value)
+        if len(value) != size:  # outside a frame, pickle's readinto takes what is there
+            raise IntegrityError(f"{self._where}: the pickle ends inside a bytearray")
+        self.append(value)
+
+    _bounded[pickle.BYTEARRAY8[0]] = load_bytearray8
+
+
+# The restricted unpickler's opcode table: the bounded one's, with the opcodes that call,
+# set state or insert replaced by the checked versions below. Every other opcode pushes a
+# constant, builds a tuple or list from what is already on the stack, or uses the memo.
+_dispatch: dict[int, Callable[..., None]] = dict(_bounded)
+
+
+class RestrictedUnpickler(BoundedUnpickler):
     """Unpickles only tensors, containers and plain values (``weights_only=True``).
 
     Any other global — a class, a function, ``os.system`` — raises
     :class:`~asyncstore.UnsafeCheckpoint` before it is imported, unless the caller allowed it
     with ``safe_globals``; so do tensor views past their storage, backward hooks, state set on
     objects other than the caller's own classes, and arguments that would turn a few bytes
-    of pickle into a large allocation or a long computation.
+    of pickle into a large allocation or a long computation. A length past the end of the
+    pickle raises :class:`~asyncstore.IntegrityError` (see :class:`BoundedUnpickler`).
     """
 
     dispatch = _dispatch
@@ -253,8 +303,8 @@ class RestrictedUnpickler(_PyUnpickler):  # type: ignore[misc]
         where: str,
         safe_globals: Iterable[Any] = (),
     ) -> None:
-        super().__init__(file)
-        self._checks = _Checks(where, file.getbuffer().nbytes)
+        super().__init__(file, where)
+        self._checks = _Checks(where, self._pickle_bytes)
         self._allowed = _allowed(self._checks)
         self._trusted: set[type] = set()
         for value in safe_globals:
@@ -262,7 +312,6 @@ class RestrictedUnpickler(_PyUnpickler):  # type: ignore[misc]
             if isinstance(value, type):
                 self._trusted.add(value)
         self._persistent = persistent_load
-        self._where = where
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)

@@ -52,6 +52,7 @@ from ..checkpoint._distributed import (
     METADATA,
     RANK_OBJECT,
     encode_metadata,
+    is_rank_object,
     objects_named,
     read_metadata,
 )
@@ -109,12 +110,27 @@ async def _commit(url: str, metadata: Metadata, options: dict[str, Any]) -> None
             replaced = set()  # nothing there, or damaged: its objects are left alone
         await store.put(METADATA, encode_metadata(metadata))
         stale = replaced - objects_named(metadata)
+        foreign = []
         try:
             for name in sorted(stale):
-                await store.delete(name)
+                # The replaced .metadata says what to remove, but it may be crafted or copied
+                # from elsewhere: only a rank object a save wrote here goes.
+                if await is_rank_object(store, "", name):
+                    await store.delete(name)
+                else:
+                    foreign.append(name)
         except (AsyncStoreError, OSError) as exc:
             # The checkpoint is committed: a failed tidy-up must not report it as failed.
             _logger.warning("%s: could not remove the replaced checkpoint's objects (%s)", url, exc)
+        if foreign:
+            _logger.warning(
+                "%s: the replaced %s named %d objects that are not rank objects of a save "
+                "there (%s); left alone",
+                url,
+                METADATA,
+                len(foreign),
+                ", ".join(repr(name) for name in foreign[:5]) + (", …" if len(foreign) > 5 else ""),
+            )
 
 
 async def _read_metadata(url: str, options: dict[str, Any]) -> Metadata:
