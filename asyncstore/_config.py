@@ -39,9 +39,26 @@ DEFAULT_STAGING_BYTES = 2 << 30
 
 _FIELD = re.compile(r"`\$\.(\w+)([^`]*)`")
 
+# What a text value that does not convert is told, by msgspec's message for it.
+_TEXT_EXPECTED = {
+    "expected int, got str": "expected an int",
+    "expected float, got str": "expected a number",
+    "expected bool, got str": "expected true or false",
+    "expected int | null, got str": "expected an int",
+    "expected float | null, got str": "expected a number",
+    "expected bool | null, got str": "expected true or false",
+}
 
-def build(cls: type[C], values: dict[str, Any], where: str) -> C:
+
+def build(cls: type[C], values: dict[str, Any], where: str, *, text: bool = False) -> C:
     """``cls`` from ``values`` (argument name to value), every bound checked.
+
+    With ``text=True`` the values are text, as a command line gives them, and each is
+    converted by the type its field declares: ``"5242880"`` becomes an int only for an int
+    field, ``"true"``/``"false"`` (or ``1``/``0``) a bool only for a bool field, and a str
+    field keeps the text even when it looks like a number (a secret key ``12345``). Nothing
+    is guessed from how a value looks. Python callers keep the default: real typed values,
+    checked strictly.
 
     Raises:
         InvalidArgument: a value has the wrong type or is out of bounds, or a name is not
@@ -49,24 +66,27 @@ def build(cls: type[C], values: dict[str, Any], where: str) -> C:
             whose names start with ``aws_``, are never echoed) and says what was expected.
     """
     try:
-        return msgspec.convert(values, cls)
+        return msgspec.convert(values, cls, strict=not text)
     except msgspec.ValidationError as exc:
-        text = str(exc)
+        message = str(exc)
         # msgspec ends its message with where the value was: " - at `$.name`",
         # " - at `$.name[0]`", or " - at `key` in `$.name`" for a dict key.
-        problem, _, at = text.partition(" - at ")
+        problem, _, at = message.partition(" - at ")
         field = _FIELD.search(at)
         if field is None:
-            if text.startswith("Object contains unknown field"):
-                unknown = text.split("`")[1] if text.count("`") >= 2 else ""
+            if message.startswith("Object contains unknown field"):
+                unknown = message.split("`")[1] if message.count("`") >= 2 else ""
                 raise InvalidArgument(
                     f"{where}: unknown option {unknown!r}{_closest(unknown, cls)}; the options "
                     f"are: {', '.join(cls.__struct_fields__)}"
                 ) from None
-            raise InvalidArgument(text) from None  # a relation between fields, said in full
+            raise InvalidArgument(message) from None  # a relation between fields, said in full
         name, inside = field.group(1), field.group(2)
         problem = problem.replace("`", "")
         problem = problem[:1].lower() + problem[1:]
+        if text:
+            # Every value given as text is a str: say only what the option takes.
+            problem = _TEXT_EXPECTED.get(problem, problem.removesuffix(", got str"))
         if at.startswith("`key`"):
             problem += f" for a key of {name}"
         elif inside:

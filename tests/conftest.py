@@ -38,6 +38,16 @@ def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
         server.stop(timeout=2.0)
 
 
+@pytest.fixture
+def fresh_bucket(seaweedfs: SeaweedFS) -> str:
+    """A new, empty bucket on the session's server, for one test alone: what the test finds
+    in it (objects, unfinished multipart uploads) is its own doing, whatever other tests
+    leave in the shared ``BUCKET``."""
+    name = unique("bucket")
+    seaweedfs.create_bucket(name)
+    return name
+
+
 def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:
     """Options that reach ``server`` directly, with a small part size to exercise multipart."""
     options = server.store_options(part_bytes=5 * MiB)

@@ -169,7 +169,7 @@ def test_demo_reports_store_errors(tmp_path: Path, capsys: pytest.CaptureFixture
         (["--samples", "1", "--epochs", "1"], "too few to kill and resume"),
         (["--s3", "--url", "memory://x"], "give --s3 or --url, not both"),
         (["--option", "region=x"], "--option goes with --url"),
-        (["--url", "memory://x", "--option", "region"], "write a store option as key=value"),
+        (["--url", "memory://x", "--option", "region"], "'region' is not key=value"),
     ],
 )
 def test_demo_rejects_bad_arguments(

@@ -22,8 +22,11 @@ def open_s3(server: SeaweedFS, url: str | None = None, **overrides: Any) -> asyn
     )
 
 
-async def test_multipart_writer_uploads_parts_and_leaves_no_upload(seaweedfs: SeaweedFS) -> None:
-    async with open_s3(seaweedfs, upload_max_inflight=2) as store:
+async def test_multipart_writer_uploads_parts_and_leaves_no_upload(
+    seaweedfs: SeaweedFS, fresh_bucket: str
+) -> None:
+    url = f"s3://{fresh_bucket}/{unique()}"
+    async with open_s3(seaweedfs, url, upload_max_inflight=2) as store:
         data = os.urandom(23 * MiB + 11)  # five parts of 5 MiB, the last one short
         async with store.open_writer("mp/obj") as writer:
             for offset in range(0, len(data), 3 * MiB):
@@ -32,7 +35,7 @@ async def test_multipart_writer_uploads_parts_and_leaves_no_upload(seaweedfs: Se
         assert writer.info.etag is not None
         assert writer.info.etag.endswith("-5")  # S3 marks multipart ETags with the part count
         assert await store.get("mp/obj") == data
-        assert seaweedfs.list_multipart_uploads(BUCKET) == []
+        assert seaweedfs.list_multipart_uploads(fresh_bucket) == []  # none, anywhere
 
 
 async def test_failed_writer_aborts_its_multipart_upload(seaweedfs: SeaweedFS) -> None:
@@ -61,10 +64,12 @@ async def test_wrong_secret_is_permission_denied_without_the_secret(seaweedfs: S
 
 async def test_missing_bucket(seaweedfs: SeaweedFS) -> None:
     # (SeaweedFS creates a bucket on the first PUT into it, so only reads can show this.)
-    async with open_s3(seaweedfs, "s3://no-such-bucket-here/x") as store:
-        with pytest.raises(NotFound, match="bucket 'no-such-bucket-here' does not exist"):
+    # A name no other test uses: none of them can have created it.
+    bucket = unique("no-such-bucket")
+    async with open_s3(seaweedfs, f"s3://{bucket}/x") as store:
+        with pytest.raises(NotFound, match=f"bucket '{bucket}' does not exist"):
             await store.get("k")
-        with pytest.raises(NotFound, match="bucket 'no-such-bucket-here' does not exist"):
+        with pytest.raises(NotFound, match=f"bucket '{bucket}' does not exist"):
             [i async for i in store.list()]
 
 

@@ -38,10 +38,12 @@ def faults(proxy: FaultProxy) -> Iterator[FaultProxy]:
     proxy.reset()
 
 
-def through(proxy: FaultProxy, server: SeaweedFS, **overrides: Any) -> asyncstore.Store:
+def through(
+    proxy: FaultProxy, server: SeaweedFS, *, bucket: str = BUCKET, **overrides: Any
+) -> asyncstore.Store:
     options = s3_options(server, endpoint_url=proxy.url, **FAST)
     options.update(overrides)
-    return asyncstore.open_store(f"s3://{BUCKET}/{unique()}", **options)
+    return asyncstore.open_store(f"s3://{bucket}/{unique()}", **options)
 
 
 @pytest.mark.parametrize("status", [500, 503, 429])
@@ -92,9 +94,9 @@ async def test_streaming_reader_resumes_after_a_reset(
 
 
 async def test_multipart_upload_survives_part_failures(
-    faults: FaultProxy, seaweedfs: SeaweedFS
+    faults: FaultProxy, seaweedfs: SeaweedFS, fresh_bucket: str
 ) -> None:
-    async with through(faults, seaweedfs, upload_max_inflight=3) as store:
+    async with through(faults, seaweedfs, bucket=fresh_bucket, upload_max_inflight=3) as store:
         data = os.urandom(16 * MiB)
         faults.fail_next(1)  # CreateMultipartUpload
         async with store.open_writer("mp") as writer:
@@ -103,7 +105,7 @@ async def test_multipart_upload_survives_part_failures(
             faults.reset_next(1)
             await writer.write(data[6 * MiB :])
         assert await store.get("mp") == data
-        assert seaweedfs.list_multipart_uploads(BUCKET) == []
+        assert seaweedfs.list_multipart_uploads(fresh_bucket) == []  # none, anywhere
 
 
 async def test_latency_is_tolerated(faults: FaultProxy, seaweedfs: SeaweedFS) -> None:
@@ -214,11 +216,11 @@ async def test_abandoned_reader_gives_its_slot_back(seaweedfs: SeaweedFS) -> Non
 
 
 async def test_lost_completion_response_is_recovered(
-    faults: FaultProxy, seaweedfs: SeaweedFS
+    faults: FaultProxy, seaweedfs: SeaweedFS, fresh_bucket: str
 ) -> None:
     # The server completes the upload but the client never hears it: the retried completion
     # must end in the object, not in an error or a second upload.
-    async with through(faults, seaweedfs) as store:
+    async with through(faults, seaweedfs, bucket=fresh_bucket) as store:
         data = os.urandom(11 * MiB)  # three parts
         # CompleteMultipartUpload is the one "POST /bucket/key?uploadId=…" request.
         path = store.url.removeprefix("s3://")
@@ -229,4 +231,4 @@ async def test_lost_completion_response_is_recovered(
         assert writer.info is not None
         assert writer.info.size == len(data)
         assert await store.get("completed") == data
-        assert seaweedfs.list_multipart_uploads(BUCKET) == []
+        assert seaweedfs.list_multipart_uploads(fresh_bucket) == []  # none, anywhere

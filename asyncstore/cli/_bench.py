@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure; returns the exit status."""
     with _target(args.url) as url:
         results = asyncio.run(
-            _bench(url, store_options(args), args.sizes, args.concurrency, args.seconds)
+            _bench(url, store_options(args, url), args.sizes, args.concurrency, args.seconds)
         )
     rows = [
         [

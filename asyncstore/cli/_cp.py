@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
@@ -14,6 +14,7 @@ from ..stores import Store, open_store
 from ..stores._open import is_local, local_path
 from ._common import add_json, emit, progress
 from ._runs import (
+    _local_kind,
     add_step,
     add_store_options,
     human_bytes,
@@ -44,6 +45,61 @@ def _split(url: str) -> tuple[str, str]:
     return head, name
 
 
+async def _destination(dst: str, name: str, options: dict[str, Any]) -> tuple[str, str]:
+    """Where ``cp`` puts the checkpoint object ``name``: the directory (a store URL) and its
+    name there. As ``cp`` and ``aws s3 cp`` do, DST is the copy's own name unless it is a
+    directory: it ends with ``/``, or it is an existing local directory, or (on S3 and other
+    object stores, which have no directories) objects exist under ``DST/`` or DST is a
+    bucket alone."""
+    if dst.endswith(("/", os.sep)):
+        return dst, name
+    if is_local(dst):
+        return (dst, name) if _local_kind(dst) == "directory" else _split(dst)
+    if "/" not in dst.partition("://")[2] or await _holds_objects(dst, options):
+        return dst, name
+    return _split(dst)
+
+
+async def _holds_objects(url: str, options: dict[str, Any]) -> bool:
+    # One object listed under url/ is enough; a missing bucket holds none (the copy then
+    # fails on it, naming it).
+    from ..errors import NotFound
+
+    async with open_store(url, **options) as store:
+        listing = store.list()
+        try:
+            async for _ in listing:
+                return True
+        except NotFound:
+            return False
+        finally:
+            close = getattr(listing, "aclose", None)
+            if close is not None:
+                await close()
+    return False
+
+
+class _Named:
+    """The source store, with its checkpoint object ``key`` read under ``name``, the name
+    it gets at the destination: the copy then writes ``name`` there. Packs keep their keys
+    (``packs/...``, relative to the checkpoint's directory, whatever its name)."""
+
+    def __init__(self, store: Store, key: str, name: str) -> None:
+        self._store, self._key, self._name = store, key, name
+
+    def _source_key(self, key: str) -> str:
+        return self._key if key == self._name else key
+
+    async def stat(self, key: str) -> Any:
+        return await self._store.stat(self._source_key(key))
+
+    def open_reader(self, key: str, *args: Any, **kwargs: Any) -> Any:
+        return self._store.open_reader(self._source_key(key), *args, **kwargs)
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._store, attribute)
+
+
 async def _copy(source: Store, target: Store, keys: list[str], packs: list[str]) -> tuple[int, int]:
     from ..checkpoint._mirror import copy_object, copy_version
 
@@ -72,12 +128,14 @@ async def _cp(
     located = await locate(src, options, step)
     if located.kind == "object":
         source_dir, key = _split(src)
+        target_dir, name = await _destination(dst, key, dst_options)
         async with open_store(source_dir, **options) as source:
             manifest = await read_manifest((source, key))
-            async with open_store(dst, **dst_options) as target:
-                copied, count = await _copy(source, target, [key], manifest.packs)
-                await verify((target, key))
-                return Copied(src, f"{target.url}/{key}", copied, count, True)
+            named = source if name == key else cast(Store, _Named(source, key, name))
+            async with open_store(target_dir, **dst_options) as target:
+                copied, count = await _copy(named, target, [name], manifest.packs)
+                await verify((target, name))
+                return Copied(src, f"{target.url}/{name}", copied, count, True)
     if step is None:
         raise _need_step(src, located.versions)
     version = located.versions[0]
@@ -111,12 +169,15 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="copy a checkpoint, or a version of a run, to another store and verify it there",
         description="Copy a checkpoint object, or the version --step of the run at SRC "
         "(with the packs a differential version points into, or every rank object of a "
-        "distributed one) into DST, a store URL or directory, then verify every checksum "
-        "there. The copy keeps its name: a version goes into DST as a version of the run "
-        "there.",
+        "distributed one) to DST, then verify every checksum there. A checkpoint object is "
+        "copied as DST, or into DST under its own name when DST is a directory: it ends "
+        "with '/', is an existing local directory, or (on S3) has objects under DST/. A "
+        "version goes into DST, a run, as a version of the run there.",
     )
     cp.add_argument("src", help="a checkpoint, or a run with --step")
-    cp.add_argument("dst", help="the store URL or directory the copy goes into")
+    cp.add_argument(
+        "dst", help="the copy's name, or the directory (the run, with --step) it goes into"
+    )
     add_step(cp, "the version of this step of the run at SRC")
     add_store_options(cp, what="the source store")
     cp.add_argument(
@@ -134,8 +195,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Copy; returns the exit status."""
-    options = store_options(args)
-    dst_options = store_options(args, "dst_options")
+    options = store_options(args, args.src)
+    dst_options = store_options(args, args.dst, name="dst_options")
     copied = asyncio.run(_cp(args.src, args.dst, options, dst_options, args.step))
     text = (
         f"copied {copied.source} -> {copied.destination}: {copied.objects} object(s), "

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from pathlib import Path
 from typing import Any
 
 from ._common import add_json, emit, fail, table
 from ._demorun import DemoConfig, DemoFailed, run_demo
+from ._runs import parse_option, store_options
 
 __all__ = ["DEFAULT_DEMO_DIR", "register"]
 
@@ -37,17 +37,6 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
-
-
-def _option(text: str) -> tuple[str, Any]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"{text!r}: write a store option as key=value")
-    try:  # numbers, true/false and null as JSON; anything else stays a string
-        parsed: Any = json.loads(value)
-    except ValueError:
-        parsed = value
-    return key, parsed if isinstance(parsed, int | float | bool) or parsed is None else value
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -74,7 +63,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     where.add_argument(
         "--option",
         action="append",
-        type=_option,
+        type=parse_option,
         default=[],
         metavar="KEY=VALUE",
         help="an open_store option for --url (endpoint_url=..., region=...); repeat as needed",
@@ -140,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
             url, options = f"s3://{S3_BUCKET}/", server.store_options()
         else:
             url = args.url or str(Path(args.dir) / "store")
-            options = dict(args.option)
+            options = store_options(args, url, name="option")
         config = DemoConfig(
             directory=args.dir,
             url=url,

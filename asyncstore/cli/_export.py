@@ -34,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
     """Export; returns the exit status."""
     from ..torch._checkpoint import _export
 
-    url = asyncio.run(_export(args.src, args.dst, store_options(args)))
+    url = asyncio.run(_export(args.src, args.dst, store_options(args, args.src, args.dst)))
     emit(args, {"src": args.src, "dst": url}, f"exported {args.src} to {url} (torch.save)")
     return 0

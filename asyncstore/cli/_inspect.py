@@ -87,7 +87,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Inspect; returns the exit status."""
-    value = asyncio.run(_inspect(args.url, store_options(args), args.step))
+    value = asyncio.run(_inspect(args.url, store_options(args, args.url), args.step))
     infos = value if isinstance(value, list) else [value]
     emit(args, value, "\n\n".join(_text(info) for info in infos))
     return 0

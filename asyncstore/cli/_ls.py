@@ -54,7 +54,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run(args: argparse.Namespace) -> int:
     """List; returns the exit status."""
-    kind, rows = asyncio.run(_list(args.url, store_options(args)))
+    kind, rows = asyncio.run(_list(args.url, store_options(args, args.url)))
     if kind == "run":
         text = table(
             [

@@ -63,9 +63,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Prune; returns the exit status."""
-    steps = asyncio.run(
-        _prune(args.url, store_options(args), args.keep_last, args.keep_every, args.dry_run)
-    )
+    options = store_options(args, args.url)
+    steps = asyncio.run(_prune(args.url, options, args.keep_last, args.keep_every, args.dry_run))
     verb = "would delete" if args.dry_run else "deleted"
     lines = [f"{verb} step {step}" for step in steps]
     text = "\n".join(lines) if lines else "nothing to delete"

@@ -12,7 +12,7 @@ import msgspec
 
 from ..errors import InvalidArgument, NotFound
 from ..stores import open_store
-from ..stores._open import is_local, local_path
+from ..stores._open import is_local, local_path, options_from_text
 
 __all__ = [
     "Located",
@@ -26,28 +26,19 @@ __all__ = [
 ]
 
 
-def parse_option(text: str) -> tuple[str, Any]:
-    """``key=value`` as a pair, the value typed (an argparse type)."""
+def parse_option(text: str) -> tuple[str, str]:
+    """``key=value`` as a pair of texts (an argparse type).
+
+    The value stays text here: :func:`store_options` converts it by the type of the option
+    it is for, once the store's URL says which options those are.
+    """
     # A bad one is a usage error (exit 2), not a failure of the store.
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(
             f"{text!r} is not key=value (for example endpoint_url=http://127.0.0.1:8333)"
         )
-    return key.strip(), _value(value)
-
-
-def _value(text: str) -> Any:
-    # What the text looks like: an int, a float, a bool, or a str.
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    return key.strip(), value
 
 
 def add_store_options(parser: argparse.ArgumentParser, *, what: str = "the store") -> None:
@@ -61,13 +52,29 @@ def add_store_options(parser: argparse.ArgumentParser, *, what: str = "the store
         default=[],
         metavar="KEY=VALUE",
         help=f"an option of {what} (repeatable), such as endpoint_url=http://127.0.0.1:8333; "
-        "numbers and true/false are read as such; credentials also come from AWS_* variables",
+        "each value is read as the type of its option (part_bytes=8388608 a number, "
+        "create=true a bool, a secret key as text); credentials also come from AWS_* "
+        "variables",
     )
 
 
-def store_options(args: argparse.Namespace, name: str = "options") -> dict[str, Any]:
-    """The ``--option`` values given, as a dict (a later key wins)."""
-    return dict(getattr(args, name))
+def store_options(
+    args: argparse.Namespace, url: str, *others: str, name: str = "options"
+) -> dict[str, Any]:
+    """The ``--option`` values given (a later key wins), each converted by the type its
+    option declares for the store at ``url``; ``others``, further URLs the same options go
+    to, are checked too.
+
+    Raises:
+        InvalidArgument: an option is unknown to one of these stores, or its value is not
+            one of its type (one line, naming the option and what it takes).
+        InvalidURL: a ``file:`` URL that cannot name a local path.
+    """
+    given: dict[str, str] = dict(getattr(args, name))
+    options = options_from_text(url, given)
+    for other in others:
+        options_from_text(other, given)
+    return options
 
 
 def add_step(parser: argparse.ArgumentParser, help: str) -> None:

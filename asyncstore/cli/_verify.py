@@ -67,7 +67,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run(args: argparse.Namespace) -> int:
     """Verify; returns the exit status."""
-    checked = asyncio.run(_verify(args.url, store_options(args), args.step))
+    checked = asyncio.run(_verify(args.url, store_options(args, args.url), args.step))
     failed = [c for c in checked if not c.ok]
     lines = []
     for item in checked:

@@ -107,6 +107,36 @@ def open_store(url: str | os.PathLike[str], **options: typing.Any) -> Store:
     raise InvalidURL(f"unknown scheme {parts.scheme!r} in store URL {shown!r}; use {_SCHEMES}")
 
 
+def options_from_text(url: str, options: dict[str, str]) -> dict[str, Any]:
+    """The options of the store at ``url``, given as text (a command line's ``key=value``),
+    each converted by the type its option declares, ready for ``open_store(url, **result)``.
+
+    ``part_bytes="5242880"`` becomes an int and ``create="true"`` a bool, while a str
+    option keeps its text even when it looks like a number (a secret key ``12345``, a
+    region ``2024``): the option says what its value is, never the text's look. Options for
+    a memory store or a URL of an unknown scheme are passed on as they are, for
+    :func:`open_store` to refuse.
+
+    Raises:
+        InvalidArgument: an option is unknown (the message names the closest one), or its
+            text is not a value of its type (the message names the option, its text unless
+            it is a credential, and what the option takes).
+        InvalidURL: ``url`` is a ``file:`` URL that :func:`local_path` refuses.
+    """
+    if not options:
+        return {}
+    cls: type[msgspec.Struct]
+    if is_local(url):
+        cls, where = LocalConfig, f"file://{local_path(url)}"
+    elif url.partition("://")[0].lower() == "s3":
+        cls, where = S3Config, _redact(url)
+    else:
+        return dict(options)
+    config = build(cls, options, where, text=True)
+    # Only the options given: the rest keep open_store's defaults (and the AWS chain's).
+    return {name: getattr(config, name) for name in options}
+
+
 def is_local(url: str) -> bool:
     """Whether ``url`` names a local path: a ``file:`` URL or a plain path."""
     return "://" not in url or url[:5].lower() == "file:"
