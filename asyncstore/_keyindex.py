@@ -95,6 +95,12 @@ class KeyIndex(Sequence[str]):
         self._path = path
         self._digest = (offsets_sum, blob_sum)
 
+    @property
+    def digest(self) -> tuple[int, int]:
+        """The index's own checksums (xxh3-64 of the offsets and of the keys' bytes), taken
+        when it was made or opened: an identity of the keys in their order, at no cost."""
+        return self._digest
+
     # -- making one --------------------------------------------------------------------------
 
     @classmethod

@@ -179,10 +179,12 @@ async def test_corrupt_disk_entries_are_dropped_and_refetched(
 
 
 async def test_unusable_disk_tier_switches_off(source: CountingStore, tmp_path: Path) -> None:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_bytes(b"")
+    # A directory that passes the construction-time check but whose index cannot open:
+    # a directory stands where the index database would be.
+    directory = tmp_path / "cache"
+    (directory / "index.sqlite").mkdir(parents=True)
     async with TieredCache(
-        source, memory_bytes=1 << 20, disk_dir=blocker, disk_bytes=1 << 20
+        source, memory_bytes=1 << 20, disk_dir=directory, disk_bytes=1 << 20
     ) as cache:
         assert await cache.get("obj/001") == bytes([1]) * 10 * KiB
         stats = cache.stats()

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import sqlite3
+import tempfile
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Literal, TypeVar
@@ -27,7 +29,7 @@ import anyio
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
 from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._resource import AsyncResource
-from ..errors import IntegrityError, InvalidArgument, StoreClosed
+from ..errors import IntegrityError, InvalidArgument, PermissionDenied, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
 from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
@@ -51,6 +53,61 @@ a store busy, and bounds the empty reads past an object's end a too-long range c
 
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
+
+# What makes a disk tier's directory unusable for good: the path, or this process's rights
+# over it, which no retry changes. Other errors (a read-only or full file system, an I/O
+# error) are faults of the device, which the tier survives by switching itself off.
+_NOT_PERMITTED = frozenset({errno.EACCES, errno.EPERM})
+_NOT_A_DIRECTORY = frozenset(
+    {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
+)
+
+
+def check_disk_dir(path: str, parameter: str, without: str) -> OSError | None:
+    """Create the directory ``path`` if it is missing and check that this process can write
+    in it (a file created and removed), so that a wrong path is refused where it is given,
+    not later in a worker or as a tier silently off.
+
+    Args:
+        path: the directory.
+        parameter: its parameter's name, for the message (``"disk_dir"``, ``"cache_dir"``).
+        without: how to go without a disk tier, for the message.
+
+    Returns:
+        None when the directory is usable; the error when the device failed (a read-only
+        or full file system, an I/O error): the disk tier then switches itself off when it
+        opens, as it does when that happens later.
+
+    Raises:
+        PermissionDenied: this process may not create the directory or write in it.
+        InvalidArgument: the path is a file, lies under one, or cannot be made a directory.
+    """
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".asyncstore-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        choose = f"choose a directory this process can write, or {without}"
+        if exc.errno in _NOT_PERMITTED:
+            raise PermissionDenied(
+                f"{parameter}={path!r}: this process (uid {os.geteuid()}) may not write "
+                f"there ({exc.strerror}); {choose}"
+            ) from exc
+        if exc.errno == errno.EEXIST:
+            raise InvalidArgument(
+                f"{parameter}={path!r} is a file, not a directory; {choose}"
+            ) from exc
+        if exc.errno == errno.ENOTDIR:
+            raise InvalidArgument(
+                f"{parameter}={path!r}: a part of that path is a file, not a directory; {choose}"
+            ) from exc
+        if exc.errno in _NOT_A_DIRECTORY:
+            raise InvalidArgument(
+                f"{parameter}={path!r} cannot be created as a directory ({exc.strerror}); {choose}"
+            ) from exc
+        return exc
+    return None
 
 
 class TieredCache(AsyncResource):
@@ -77,7 +134,13 @@ class TieredCache(AsyncResource):
         block_bytes: block size for ranged reads.
 
     Raises:
-        InvalidArgument: a budget, policy, mode or size is not usable.
+        InvalidArgument: a budget, policy, mode or size is not usable; ``disk_dir`` is a
+            file, lies under one, or cannot be created.
+        PermissionDenied: this process may not create ``disk_dir`` or write in it.
+
+    ``disk_dir`` is created and checked here, before any read. A read-only or full file
+    system is not refused: the disk tier switches itself off when it opens (logged,
+    counted in :meth:`stats`), as it does when that happens later, and reads go on.
 
     Use it as an async context manager; :meth:`aclose` waits for background disk writes.
     """
@@ -117,6 +180,10 @@ class TieredCache(AsyncResource):
             )
         if config.disk_dir is None and config.disk_bytes is not None:
             raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
+        if config.disk_dir is not None:
+            check_disk_dir(
+                config.disk_dir, "disk_dir", "disk_dir=None and disk_bytes=None for no disk tier"
+            )
         self._config = config
         self._store = store
         self._policy = config.policy

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import multiprocessing
+import operator
 import os
 import sys
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from pathlib import Path
 from types import FrameType
 from typing import Any, Generic, Literal, TypeVar
@@ -29,7 +31,8 @@ from .._loop import run_sync
 from .._prefetch import Prefetcher, PrefetchStats
 from .._resource import track
 from ..cache import CacheStats, TieredCache
-from ..errors import InvalidArgument, InvalidKey
+from ..cache._tiered import check_disk_dir
+from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..stores import Store, open_store
 from ..stores._keys import check_key
 from ._order import EpochOrder
@@ -40,6 +43,29 @@ T = TypeVar("T")
 __all__ = ["StreamingDataset", "DatasetStats", "EpochTotals"]
 
 MiB = 1 << 20
+
+logger = logging.getLogger("asyncstore.torch")
+
+# The format of state_dict(). The first release's (no "version") held epoch, consumed and
+# seed only; 2 adds what the position depends on, so a state cannot resume another plan.
+_STATE_VERSION = 2
+_STATE_V1 = frozenset({"epoch", "consumed", "seed"})
+_STATE_V2 = frozenset(
+    {
+        "version",
+        "epoch",
+        "consumed",
+        "seed",
+        "shuffle",
+        "samples",
+        "key_digest",
+        "rank",
+        "world_size",
+    }
+)
+# Epochs far beyond any training run: the position lives in int64 shared memory, and a
+# value this side of it is a counter, not a stray number (a step, a hash) passed as one.
+_MAX_EPOCH = (1 << 31) - 1
 
 # Per-worker slots of the shared totals (workers beyond this share slots, still summed).
 _SLOTS = 256
@@ -235,6 +261,13 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             "StreamingDataset",
         )
         self._cache_dir = config.cache_dir
+        if config.cache_dir is not None:
+            # Here rather than in a worker, where the disk tier would only switch itself off.
+            check_disk_dir(
+                config.cache_dir,
+                "cache_dir",
+                "cache_dir=None for no disk tier (the listing is then kept in memory)",
+            )
         self._memory_bytes = config.memory_bytes
         self._disk_bytes = config.disk_bytes if config.disk_bytes is not None else 64 << 30
         self._shuffle = config.shuffle
@@ -283,11 +316,10 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                             "keys=[...] without it"
                         ) from None
 
+        async def list_all() -> KeyIndex:
+            return KeyIndex.from_keys(sorted([key async for key in listed("")]))
+
         if self._cache_dir is None:
-
-            async def list_all() -> KeyIndex:
-                return KeyIndex.from_keys(sorted([key async for key in listed("")]))
-
             return run_sync(list_all())
         # Named by what is listed: the URL, and the endpoint when one is set (the same
         # bucket name on two servers is two datasets).
@@ -303,7 +335,20 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                 if isinstance(kept, list) and kept:
                     write_index(path, _check_keys(kept, self._url))
             old.unlink(missing_ok=True)
-        return run_sync(build_index(path, listed))
+        try:
+            return run_sync(build_index(path, listed))
+        except OSError as exc:
+            if isinstance(exc, AsyncStoreError):
+                raise  # the store's (NotFound, PermissionDenied), not the cache directory's
+            # A read-only or full cache directory: the listing is a cache too, and like
+            # the disk tier it must not stop a dataset the store can serve.
+            logger.warning(
+                "could not keep the listing of %s in %s (%s); listed in memory instead",
+                self._url,
+                self._cache_dir,
+                exc,
+            )
+            return run_sync(list_all())
 
     def __len__(self) -> int:
         """Samples per epoch for this rank (padded: equal across ranks)."""
@@ -311,9 +356,13 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         return per_rank(len(self._keys), world)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration follows."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
+        """Select the epoch whose order the next iteration follows.
+
+        Raises:
+            InvalidArgument: ``epoch`` is not an int from 0 to ``2**31 - 1``.
+        """
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= _MAX_EPOCH:
+            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0 and <= {_MAX_EPOCH}")
         if epoch != self._epoch:
             self._position[1] = 0
         self._position[0] = epoch
@@ -365,33 +414,141 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     # -- resume ------------------------------------------------------------------------------
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
-        """The position to resume from: the epoch and the samples of it this rank consumed.
+        """The position to resume from: the epoch and the samples of it this rank consumed,
+        with what that position depends on.
 
         With ``num_workers=0`` the dataset counts them itself; with workers, pass
         ``consumed`` (batches consumed times batch size) from the training loop.
-        """
-        done = self._skip + self._yielded if consumed is None else consumed
-        return {"epoch": self._epoch, "consumed": done, "seed": self._seed}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume: the next iteration continues the epoch after ``state["consumed"]``."""
-        try:
-            epoch, consumed = int(state["epoch"]), int(state["consumed"])
-        except (KeyError, TypeError, ValueError):
+        The dict holds ints only (``shuffle`` a bool): ``version`` (its format),
+        ``epoch``, ``consumed``, and the plan it counts in: ``seed``, ``shuffle``,
+        ``samples`` (the dataset's keys), ``key_digest`` (a 63-bit digest of them, in
+        order), ``rank`` and ``world_size``. :meth:`load_state_dict` refuses it where any
+        of these differs. It does not depend on the DataLoader's number of workers.
+
+        Raises:
+            InvalidArgument: ``consumed`` is not an int from 0 to ``len(self)``, or not a
+                multiple of ``batch_size``.
+        """
+        rank, world = self._shard()
+        if consumed is None:
+            done = self._skip + self._yielded
+        else:
+            done = _whole("consumed", consumed, per_rank(len(self._keys), world))
+            check_resume(done, self._batch)
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self._epoch,
+            "consumed": done,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "samples": len(self._keys),
+            "key_digest": self._key_digest(),
+            "rank": rank,
+            "world_size": world,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Resume: the next iteration continues the epoch after ``state["consumed"]``.
+
+        ``state`` is what :meth:`state_dict` returned, in a dataset over the same keys
+        with the same ``seed`` and ``shuffle``, on the same rank of the same world size
+        (the DataLoader's number of workers may differ). A state of the first format
+        (``epoch``, ``consumed`` and ``seed`` only) is taken to have been saved by such a
+        dataset, as nothing in it says otherwise; its numbers are checked all the same.
+
+        Raises:
+            InvalidArgument: ``state`` is not such a dict: an entry missing or unknown, not
+                an int, negative, beyond ``2**31 - 1`` (``epoch``) or the epoch's length
+                (``consumed`` above ``len(self)``), ``consumed`` not a multiple of
+                ``batch_size``; or saved by a dataset that differs in one of the above (the
+                message names the entry, both values and what to do).
+        """
+        if not isinstance(state, Mapping):
             raise InvalidArgument(
-                f"state {state!r} is not a StreamingDataset state_dict()"
-            ) from None
-        if state.get("seed", self._seed) != self._seed:
-            raise InvalidArgument(
-                f"state was saved with seed={state['seed']}, this dataset has seed={self._seed}"
+                f"state={state!r:.200}: pass the dict StreamingDataset.state_dict() returned"
             )
-        if epoch < 0 or consumed < 0:
+        if "version" not in state:
+            fields = _STATE_V1
+            required = fields - {"seed"}  # the seed was added within the first format
+        else:
+            version = _whole("version", state["version"], None, in_state=True)
+            if version > _STATE_VERSION:
+                raise InvalidArgument(
+                    f"state['version']={version}: this state was saved by a newer asyncstore; "
+                    f"this one reads up to version {_STATE_VERSION}: upgrade asyncstore here"
+                )
+            if version != _STATE_VERSION:
+                raise InvalidArgument(
+                    f"state['version']={version}: not a version state_dict() writes (1 has "
+                    f"no 'version' entry, {_STATE_VERSION} is the current one); pass the "
+                    "dict state_dict() returned"
+                )
+            fields = required = _STATE_V2
+        unknown = sorted(map(repr, set(state) - fields))
+        missing = sorted(required - set(state))
+        if unknown or missing:
             raise InvalidArgument(
-                f"state {state!r}: epoch and consumed must be >= 0; pass what state_dict() returned"
+                f"state {state!r:.200} is not a StreamingDataset state_dict(): "
+                + "; ".join(
+                    ([f"unknown entries {', '.join(unknown)}"] if unknown else [])
+                    + ([f"missing {', '.join(map(repr, missing))}"] if missing else [])
+                )
+                + "; pass the dict state_dict() returned, unchanged"
             )
+        rank, world = self._shard()
+        epoch = _whole("epoch", state["epoch"], _MAX_EPOCH, in_state=True)
+        current: dict[str, object] = {
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "samples": len(self._keys),
+            "key_digest": self._key_digest(),
+            "world_size": world,
+            "rank": rank,
+        }
+        afresh = (
+            f"or, to read epoch {epoch} from its start instead, leave the state out and "
+            f"call ds.set_epoch({epoch})"
+        )
+        for name, value in current.items():
+            if name not in state:
+                continue  # a first-format state: assumed to match (see the docstring)
+            saved = state[name]
+            if name == "shuffle":
+                if not isinstance(saved, bool):
+                    raise InvalidArgument(
+                        f"state['shuffle']={saved!r:.100}: a bool was expected; pass the "
+                        "dict state_dict() returned, unchanged"
+                    )
+            else:
+                # Any int for the seed, as the dataset takes; the others are counts.
+                least = None if name == "seed" else 0
+                saved = _whole(name, saved, None, in_state=True, least=least)
+            if saved != value:
+                raise InvalidArgument(
+                    f"state[{name!r}]={saved!r}, but this dataset has {name}={value!r}: "
+                    + _MISMATCH[name].format(saved=saved)
+                    + (
+                        _DEFAULT_SHARD
+                        if name in ("world_size", "rank")
+                        and self._world is None
+                        and not (dist.is_available() and dist.is_initialized())
+                        else ""
+                    )
+                    + ("" if name == "rank" else f"; {afresh}")
+                )
+        length = per_rank(len(self._keys), world)
+        consumed = _whole("consumed", state["consumed"], length, in_state=True)
         check_resume(consumed, self._batch)
         self._position[0], self._position[1] = epoch, consumed
         self._begin_epoch(epoch)
+
+    def _key_digest(self) -> int:
+        # The index's own checksums (of the offsets and of the keys' bytes), taken when it
+        # was made or opened: a digest of ten million keys at no cost. Cut to 63 bits, so
+        # it fits wherever a state is kept as int64.
+        offsets, blob = self._keys.digest
+        return xxhash.xxh3_64_intdigest(b"%d:%d" % (offsets, blob)) >> 1
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -536,6 +693,55 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                 f"current one is {self._epoch})"
             )
         return _summed(list(self._epochs[base + 1 : base + _ROW]), epoch)
+
+
+# What each recorded entry of a state protects, and what to do when it differs.
+_MISMATCH = {
+    "seed": "the saved position counts in another order; make the dataset with "
+    "seed={saved} to resume it",
+    "shuffle": "the saved position counts in another order; make the dataset with "
+    "shuffle={saved} to resume it",
+    "samples": "the source holds another number of keys than when the state was saved, so "
+    "the position names other samples; resume over the same keys",
+    "key_digest": "the dataset's keys (or their order) changed since the state was saved, "
+    "so the position names other samples; resume over the same keys",
+    "world_size": "each rank's part of the epoch depends on the number of ranks, so the "
+    "position would repeat or skip samples; resume with {saved} ranks",
+    "rank": "each rank saves its own position; load on each rank the state that rank saved "
+    "(state_dict() of rank {saved})",
+}
+_DEFAULT_SHARD = (
+    " (no torch.distributed group is initialised and no rank and world_size were given: "
+    "initialise the group before load_state_dict(), or pass rank= and world_size=)"
+)
+
+
+def _whole(
+    name: str, value: object, most: int | None, *, in_state: bool = False, least: int | None = 0
+) -> int:
+    """``value`` as an int from ``least`` to ``most`` (None: no bound), or InvalidArgument
+    that names it: ``state['name']`` for an entry of a state, else ``name``."""
+    label = f"state[{name!r}]" if in_state else name
+    number: int | None = None
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            number = operator.index(value)  # type: ignore[arg-type]
+    if number is None:
+        raise InvalidArgument(
+            f"{label}={value!r:.100}: an int was expected, not {type(value).__name__}; "
+            + ("pass the dict state_dict() returned, unchanged" if in_state else "pass an int")
+        )
+    if (least is not None and number < least) or (most is not None and number > most):
+        bound = " and ".join(
+            ([f">= {least}"] if least is not None else [])
+            + ([f"<= {most}"] if most is not None else [])
+        )
+        why = f" (this rank's epoch holds {most} samples: len(ds))" if name == "consumed" else ""
+        raise InvalidArgument(
+            f"{label}={number}: pass an int {bound}{why}"
+            + ("; pass the dict state_dict() returned, unchanged" if in_state else "")
+        )
+    return number
 
 
 def _loader_batch(caller: FrameType | None) -> int | None:

@@ -111,4 +111,7 @@ def check_resume(consumed: int, batch: int) -> None:
             is counted as batches consumed times the batch size.
     """
     if consumed % batch:
-        raise InvalidArgument(f"consumed={consumed} is not a multiple of batch_size={batch}")
+        raise InvalidArgument(
+            f"consumed={consumed} is not a multiple of batch_size={batch}: count it as "
+            "batches consumed times batch_size (the DataLoader's, which the dataset's matches)"
+        )
