@@ -130,6 +130,10 @@ class Manifest(msgspec.Struct, frozen=True, omit_defaults=True):
     digest: int  # xxh3-64 over every chunk's stored digest, structure first, in file order
     # Version 2: the keys of the packs chunks lie in, relative to the checkpoint's directory.
     packs: list[str] = msgspec.field(default_factory=list)
+    # Version 2, since asyncstore 0.1.0: for each pack, its size and the xxh3-64 of its
+    # chunk index (see ._packfile), checked before a later save points into it again.
+    # Absent in earlier manifests: their packs are read, never built on.
+    pack_ids: list[tuple[int, int]] = msgspec.field(default_factory=list)
 
 
 class Footer(msgspec.Struct, frozen=True):
@@ -232,6 +236,11 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
     for name in manifest.packs:
         if not isinstance(name, str) or not PACK_NAME.match(name):
             raise IntegrityError(f"{where}: the manifest names a pack {name!r} impossibly")
+    if manifest.pack_ids and (
+        len(manifest.pack_ids) != len(manifest.packs)
+        or any(min(pack_id) < 0 for pack_id in manifest.pack_ids)
+    ):
+        raise IntegrityError(f"{where}: the manifest describes its packs' identities impossibly")
     chunk_ok(manifest.structure, "the pickled structure")
     ids = set()
     for storage in manifest.storages:

@@ -34,12 +34,15 @@ from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import CleansUpWrites, ObjectInfo, Store, open_store
 from . import _distributed as dist_layout
+from . import _format as fmt
 from ._codec import Known
 from ._format import PACK_NAME
 from ._handle import SaveHandle, SaveResult
 from ._load import load as _load
 from ._load import verify as _verify
 from ._mirror import copy_version
+from ._packfile import PackId
+from ._packfile import whole as pack_whole
 from ._packs import PACKS, PackBook, pack_name
 from ._save import save as _save
 from ._save import save_packed
@@ -363,13 +366,13 @@ class Checkpointer(AsyncResource):
                 # retention). Pinned before the new pack exists, until the version naming
                 # them commits or the save fails.
                 async with self._packs.lock:
-                    known, chain = await self._base()
+                    known, ids, chain = await self._base()
                     if chain >= config.full_every or not known:
-                        known, chain = {}, 0  # a full save: a new chain starts
+                        known, ids, chain = {}, {}, 0  # a full save: a new chain starts
                     pins = {ref.pack for ref in known.values()} | {pack}
                     self._packs.pin(self._store, pins)
                 options["metadata"][CHAIN] = chain
-                handle = await save_packed(state, self._store, key, pack, known, **options)
+                handle = await save_packed(state, self._store, key, pack, known, ids, **options)
             else:
                 handle = await _save(state, (self._store, key), **options)
         except BaseException:
@@ -398,11 +401,12 @@ class Checkpointer(AsyncResource):
         stats.bytes_skipped += result.skipped_bytes
         self._newest = max(self._newest, step)
 
-    async def _base(self) -> tuple[Known, int]:
+    async def _base(self) -> tuple[Known, dict[str, PackId], int]:
         # What a differential save builds on: the chunks of the newest version here whose
-        # manifest reads, and how many differential saves since the last full one led to
-        # it. Only the newest: its chunks are the state as last saved, and packs that
-        # older chains point into can go once those versions do.
+        # manifest reads, the identities of the packs they lie in, and how many
+        # differential saves since the last full one led to it. Only the newest: its chunks
+        # are the state as last saved, and packs that older chains point into can go once
+        # those versions do.
         for version in reversed(await self._list_store(self._store)):
             if version.kind == "dcp":
                 continue  # saved by every rank, not by this checkpointer: nothing to build on
@@ -414,11 +418,34 @@ class Checkpointer(AsyncResource):
                 continue  # damaged, or deleted meanwhile: build on the one before
             chain = manifest.metadata.get(CHAIN)
             if isinstance(chain, bool) or not isinstance(chain, int) or chain < 0:
-                return {}, 0  # not a differential version of this run: start a chain
+                return {}, {}, 0  # not a differential version of this run: start a chain
+            ids = await self._whole_packs(version.key, manifest)
             known: Known = {}
             self._packs.chunks_of(manifest, known)
-            return known, chain + 1
-        return {}, 0
+            return {k: ref for k, ref in known.items() if ref.pack in ids}, ids, chain + 1
+        return {}, {}, 0
+
+    async def _whole_packs(self, key: str, manifest: fmt.Manifest) -> dict[str, PackId]:
+        # The packs of ``manifest`` that are what it recorded (size and index checksum): a
+        # save points only into those. One that is missing, truncated, replaced or of an
+        # earlier release has its chunks written again, so that no version commits on top
+        # of a pack that cannot serve it.
+        recorded = dict(zip(manifest.packs, map(PackId._make, manifest.pack_ids), strict=False))
+        whole: dict[str, PackId] = {}
+        for name in manifest.packs:
+            expected = recorded.get(name)
+            reason = await pack_whole(self._store, name, expected)
+            if reason is None and expected is not None:
+                whole[name] = expected
+            elif expected is not None:  # an earlier release's pack is expected: no warning
+                logger.warning(
+                    "%s/%s: not building on its pack %s (%s); this save writes those chunks again",
+                    self._store.url,
+                    key,
+                    name,
+                    reason,
+                )
+        return whole
 
     async def _after_commit(self, handle: SaveHandle, step: int, key: str, pins: set[str]) -> None:
         # The key stays in _saving until its upload ends: gc and the resumed uploads leave

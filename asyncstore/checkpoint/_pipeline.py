@@ -27,6 +27,7 @@ from ..stores._direct import ALIGN
 from . import _format as fmt
 from ._codec import ENCODERS, Codecs, Encoded, Known
 from ._handle import SaveResult
+from ._packfile import PackId, encode_end
 from ._pickle import SavedStorage, dtype_name
 from ._staging import Copier, Piece, Segment, StagingPool, byte_view, storage_bytes
 from ._target import Sink
@@ -56,10 +57,11 @@ class PackTarget:
     else the state holds, so that an unchanged tensor gives the same chunks save after save.
     """
 
-    def __init__(self, sink: Sink, name: str, known: Known) -> None:
+    def __init__(self, sink: Sink, name: str, known: Known, ids: dict[str, PackId]) -> None:
         self.sink = sink
         self.name = name  # the pack's key, relative to the checkpoint's directory
         self.known = known
+        self.ids = dict(ids)  # the identity of every pack ``known`` points into
         self.committed = False
 
 
@@ -358,6 +360,9 @@ class SaveJob:
             # The pack commits before the checkpoint that points into it; one that nothing
             # points to (a crash in between) is removed by the next cleanup.
             if pack.name in data.packs:
+                # The pack's own end: what later saves and copies check it against.
+                end, pack.ids[pack.name] = encode_end(data.own, data.position)
+                await data.append(end)
                 await data.commit()
                 pack.committed = True
             else:  # every chunk was known already: no pack at all
@@ -388,6 +393,7 @@ class SaveJob:
             stored_bytes=meta.position + (data.written if pack is not None else 0),
             digest=0,
             packs=packs,
+            pack_ids=[] if pack is None else [(*pack.ids[name],) for name in packs],
         )
         manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
         encoded_manifest = fmt.encode_manifest(manifest)
@@ -432,6 +438,7 @@ class _Layout:
         # Writing a pack: the packs chunks lie in, by index (this one once it has a chunk).
         self.pack = pack
         self.packs: dict[str, int] = {}
+        self.own: list[fmt.Chunk] = []  # the chunks written into that pack, in file order
         self.skipped = 0  # raw bytes an earlier pack holds, not written again
         self.position = 0  # bytes laid out (ahead of written while small ones are gathered)
         self.written = 0  # bytes handed to the sink
@@ -493,6 +500,8 @@ class _Layout:
                 item.raw_xxh3,
             )
             self._record(piece.storage.id, chunk, own)
+            if own is not None:
+                self.own.append(chunk)
             self.position += len(item.stored)
             if item.codec == "raw":
                 if small:

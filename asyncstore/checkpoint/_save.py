@@ -15,6 +15,7 @@ from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfi
 from ..stores import Store
 from ._codec import Codecs, Known
 from ._handle import SaveHandle
+from ._packfile import PackId
 from ._pickle import pickle_structure
 from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
@@ -130,6 +131,7 @@ async def save_packed(
     key: str,
     pack: str,
     known: Known,
+    ids: dict[str, PackId],
     *,
     compression: Literal["auto", "zstd"] | None,
     staging_bytes: int,
@@ -140,11 +142,12 @@ async def save_packed(
     """:func:`save` to ``key`` in ``store`` as a differential checkpoint (format version 2):
     chunks ``known`` from earlier versions' packs are stored as references to them, the
     others go to the new pack ``pack`` (a key relative to ``key``'s directory), which
-    commits before the checkpoint that points into it."""
+    commits before the checkpoint that points into it. ``ids`` holds the identity of
+    every pack ``known`` points into (checked by the caller), recorded in the manifest."""
     started = time.perf_counter()
     config = _config(compression, 1, chunk_bytes, staging_bytes, (), metadata, priority)
     resolved = resolve((store, key), None, writing=True)
-    return await _start(obj, resolved, config, started, (pack, known))
+    return await _start(obj, resolved, config, started, (pack, known, ids))
 
 
 async def _start(
@@ -152,7 +155,7 @@ async def _start(
     resolved: Resolved,
     config: SaveConfig,
     started: float,
-    packed: tuple[str, Known] | None,
+    packed: tuple[str, Known, dict[str, PackId]] | None,
 ) -> SaveHandle:
     locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
     lock = locks.setdefault(resolved.url, asyncio.Lock())
@@ -169,8 +172,8 @@ async def _start(
         codecs = Codecs(config.compression, config.level, config.exclude, where, remote)
         sink = await open_sink(resolved)
         if packed is not None:
-            name, known = packed
-            pack = PackTarget(await open_sink(resolved.sibling(name)), name, known)
+            name, known, ids = packed
+            pack = PackTarget(await open_sink(resolved.sibling(name)), name, known, ids)
         job = SaveJob(
             sink,
             structure,
