@@ -435,10 +435,16 @@ async def test_a_mirror_that_is_down_never_costs_a_local_version(
     # The lag counts from the local commit, made by the process before (the oldest
     # version's is uploaded last).
     assert again.stats().last_upload_lag_seconds >= time.time() - committed - 0.5
-    assert await assert_tidy(local) == ["step-000000002.ckpt", "step-000000003.ckpt"]
-    assert await assert_tidy(mirror, options) == ["step-000000002.ckpt", "step-000000003.ckpt"]
+    # Opening a run never deletes: every version is there, in both stores now.
+    assert len(await assert_tidy(local)) == 4
+    assert len(await assert_tidy(mirror, options)) == 4
+    # The next save's retention trims both.
+    async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as third:
+        await (await third.save(state_of(4), 4))
+    assert await assert_tidy(local) == ["step-000000003.ckpt", "step-000000004.ckpt"]
+    assert await assert_tidy(mirror, options) == ["step-000000003.ckpt", "step-000000004.ckpt"]
     async with Checkpointer(mirror, store_options=options) as only_mirror:
-        assert [v.step for v in await only_mirror.versions()] == [2, 3]
+        assert [v.step for v in await only_mirror.versions()] == [3, 4]
 
 
 def test_mirror_options_need_a_mirror(tmp_path: Path) -> None:

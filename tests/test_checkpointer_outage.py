@@ -223,13 +223,18 @@ async def test_a_mirror_outage_during_an_upload_is_resumed_by_the_next_process(
     [interrupted] = unfinished_uploads(server)
     assert STEM in interrupted
 
-    # 3. The next process on the run (this one) uploads what is missing, then retention
-    # trims both stores to the newest two.
+    # 3. The next process on the run (this one) uploads what is missing; opening deletes
+    # nothing. Its first save's retention then trims both stores to the newest two.
+    before = local_steps(local)
     async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as again:
         await again.versions()  # first use: the uploads resume
     assert again.stats().uploads == STEPS - OUTAGE_STEP
     assert again.stats().upload_failures == 0
-    newest = [STEPS - 2, STEPS - 1]
+    assert local_steps(local) == before
+    assert mirror_steps(server) >= before
+    async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as again:
+        await (await again.save({"w": weights(STEPS), "step": STEPS}, STEPS))
+    newest = [STEPS - 1, STEPS]
     assert sorted(local_steps(local)) == newest
     assert sorted(mirror_steps(server)) == newest
     # Every local file (the versions, and their packs when differential) is on the mirror,
@@ -257,8 +262,8 @@ async def test_a_mirror_outage_during_an_upload_is_resumed_by_the_next_process(
             (step, "mirror") for step in newest
         ]
         loaded = await again.load()
-        assert loaded["step"] == STEPS - 1
-        assert torch.equal(loaded["w"], weights(STEPS - 1))
+        assert loaded["step"] == STEPS
+        assert torch.equal(loaded["w"], weights(STEPS))
 
     # The outage cost the first process warnings, as the mirror's documentation promises,
     # and nothing logged as an error (an alert, in most training setups).

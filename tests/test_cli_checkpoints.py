@@ -13,6 +13,7 @@ import torch
 from torch.distributed.checkpoint import state_dict_saver
 
 import asyncstore.torch
+from asyncstore.checkpoint._packfile import TRAILER_SIZE
 from asyncstore.cli import main
 from asyncstore.testing import SeaweedFS
 
@@ -130,7 +131,8 @@ def test_verify_passes_then_names_each_damaged_checkpoint(
 
     # A byte of step 2's own pack (its "live"; step 3 wrote its own): only step 2 fails.
     (pack,) = (run / "packs").glob("step-000000002-*.pack")
-    flip(pack, pack.stat().st_size - 10)
+    index_offset = int.from_bytes(pack.read_bytes()[-TRAILER_SIZE:][16:24], "little")
+    flip(pack, index_offset - 10)  # in its last chunk, just before the pack's own end
     report = run_json(capsys, ["verify", str(run)], status=1)
     assert report["ok"] is False
     failed = [c["step"] for c in report["checked"] if not c["ok"]]

@@ -106,8 +106,8 @@ async def test_a_whole_base_pack_is_built_on_and_its_identity_recorded(tmp_path:
         assert result.skipped_bytes == (TENSORS - 2) * CHUNK
         first = await read_manifest(tmp_path / "step-000000001.ckpt")
         second = await read_manifest(tmp_path / "step-000000002.ckpt")
-        recorded = dict(zip(second.packs, second.pack_ids, strict=True))
-        assert recorded[first.packs[0]] == first.pack_ids[0]
+        by_name = dict(zip(second.packs, second.pack_ids, strict=True))
+        assert by_name[first.packs[0]] == first.pack_ids[0]
         async with asyncstore.open_store(tmp_path) as store:
             for name, recorded in zip(second.packs, second.pack_ids, strict=True):
                 assert await whole(store, name, PackId(*recorded)) is None

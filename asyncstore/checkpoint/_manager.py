@@ -19,6 +19,7 @@ A distributed version (saved by ``torch.distributed.checkpoint`` through
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ from ._mirror import copy_version
 from ._packfile import PackId
 from ._packfile import whole as pack_whole
 from ._packs import PACKS, PackBook, pack_name
+from ._retention import Candidate, newest_first, victims
 from ._save import save as _save
 from ._save import save_packed
 
@@ -62,6 +64,10 @@ waits for the next checkpointer on the run (a mirror down for a minute costs war
 # The metadata key of a differential version's place in its chain: 0 for a full save, then
 # one more for each differential save that builds on it.
 CHAIN = "chain"
+
+# The metadata key of when save() was called (Unix seconds): what orders versions, so that
+# after a rollback the version saved last is the newest, whatever its step.
+SAVED = "saved"
 
 DCP_SUFFIX = ".dcp/"
 
@@ -136,6 +142,10 @@ class Version(msgspec.Struct, frozen=True):
         kind: ``"checkpoint"``, one object written by :meth:`Checkpointer.save`; or
             ``"dcp"``, a distributed version written by ``torch.distributed.checkpoint``
             through :meth:`asyncstore.torch.Checkpointer.dcp_writer`.
+        saved: when it was saved (Unix seconds): the time of the :meth:`Checkpointer.save`
+            call (recorded in the version), or for a distributed version and a version of
+            an earlier release, when it was written. Versions are ordered by it: the
+            newest is the one saved last, also after a rollback to a lower step.
     """
 
     step: int
@@ -147,6 +157,7 @@ class Version(msgspec.Struct, frozen=True):
     raw_bytes: int = 0
     stored_bytes: int = 0
     kind: Literal["checkpoint", "dcp"] = "checkpoint"
+    saved: float | None = None
 
 
 class CheckpointerStats(msgspec.Struct):
@@ -205,7 +216,11 @@ class Checkpointer(AsyncResource):
     Args:
         url: where the versions live (``"s3://bucket/run1"``, ``"file:///ckpt/run1"``, a
             local path); each is one object ``step-000001000.ckpt`` under it.
-        keep_last: how many of the newest versions retention keeps.
+        keep_last: how many of the newest versions that can load retention keeps (with
+            any damaged ones newer than the last of them). The newest version is the one
+            saved last (``Version.saved``), also after a rollback to a lower step.
+            Retention runs after each :meth:`save` of this checkpointer only: opening,
+            listing, loading and verifying never delete.
         keep_every: also keep every version whose step is a multiple of this, for good.
         differential: write only the chunks that changed since the versions kept: an
             unchanged chunk (same size and xxh3) is stored as a reference to the pack of
@@ -290,7 +305,7 @@ class Checkpointer(AsyncResource):
         # Copies a load or verify found damaged, as (store URL, key), until saved again.
         self._damaged: set[tuple[str, str]] = set()
         self._stats = CheckpointerStats()
-        self._newest = -1  # the newest step this checkpointer committed
+        self._retaining = asyncio.Lock()  # one retention at a time: each sees the last's work
         # Writers of distributed versions handed out here (asyncstore.torch's dcp_writer),
         # each with .step and .committed: a step one of them is still writing is not a
         # leftover to remove.
@@ -334,9 +349,11 @@ class Checkpointer(AsyncResource):
         """Save ``state`` as the version of ``step``; return once it is snapshotted.
 
         ``await`` the handle for the :class:`SaveResult` (the commit). Once the version
-        commits, retention deletes the versions ``keep_last`` and ``keep_every`` do not keep
-        (only ones older than it). Saving a step that exists replaces that version,
-        atomically. ``metadata`` is stored with the version, beside its ``step``.
+        commits (and, with a mirror, its upload ends), retention deletes the versions
+        ``keep_last`` and ``keep_every`` do not keep; the version just saved is the newest,
+        whatever its step. Saving a step that exists replaces that version, atomically.
+        ``metadata`` is stored with the version, beside its ``step``, ``saved`` (the time
+        of this call) and, for a differential save, ``chain``.
 
         Raises:
             InvalidArgument: ``step`` is not an int >= 0, or a bad ``metadata``.
@@ -354,7 +371,7 @@ class Checkpointer(AsyncResource):
             "staging_bytes": config.staging_bytes,
             "priority": config.priority,
             "chunk_bytes": config.chunk_bytes,
-            "metadata": {**(metadata or {}), "step": step},
+            "metadata": {**(metadata or {}), "step": step, SAVED: time.time()},
         }
         self._saving.add(key)
         pins: set[str] = set()
@@ -399,7 +416,6 @@ class Checkpointer(AsyncResource):
         stats.last_total_seconds = result.total_seconds
         stats.bytes_written += result.stored_bytes
         stats.bytes_skipped += result.skipped_bytes
-        self._newest = max(self._newest, step)
 
     async def _base(self) -> tuple[Known, dict[str, PackId], int]:
         # What a differential save builds on: the chunks of the newest version here whose
@@ -407,7 +423,8 @@ class Checkpointer(AsyncResource):
         # differential saves since the last full one led to it. Only the newest: its chunks
         # are the state as last saved, and packs that older chains point into can go once
         # those versions do.
-        for version in reversed(await self._list_store(self._store)):
+        # Newest by when it was saved: after a rollback, the rolled-back state.
+        for version in reversed(await self._describe(await self._list_store(self._store))):
             if version.kind == "dcp":
                 continue  # saved by every rank, not by this checkpointer: nothing to build on
             try:
@@ -461,32 +478,115 @@ class Checkpointer(AsyncResource):
                 await self._upload(key, time.time())
         finally:
             self._saving.discard(key)
-        # Up to the newest version this checkpointer committed: saves may commit out of
-        # order (the first of a process is slower), and a later one's retention ran before
-        # this version was there to count.
-        await self._retain(newest=max(step, self._newest))
+        await self._retain()
 
     def stats(self) -> CheckpointerStats:
         """A snapshot of what this checkpointer did: saves, blocking and total seconds,
         bytes written and skipped, versions deleted."""
         return msgspec.structs.replace(self._stats)
 
-    async def _retain(self, newest: int) -> None:
-        # Counted up to the version just committed, which is always kept: a newer one may
-        # belong to another save, and is not this retention's to judge. Runs while closing
-        # too (close waits for it): no open-state check here.
-        mirrored: dict[int, int] | None = None
-        if self._mirror is not None:
+    async def _retain(self) -> None:
+        # After a save of this checkpointer, with its own policy. The version just saved
+        # needs no protection of its own: it is the newest (saved last), so in the window,
+        # unless a save called after it committed meanwhile. Runs while closing too (close
+        # waits for it): no open-state check here.
+        config = self._config
+        try:
+            await self._apply_policy(config.keep_last, config.keep_every)
+        except (AsyncStoreError, OSError) as exc:
+            # Nothing is lost by retention not running: the next save's tries again.
+            logger.warning("retention at %s did not finish (%s)", self._store.url, exc)
+
+    async def _apply_policy(
+        self,
+        keep_last: int,
+        keep_every: int | None,
+        *,
+        verify: bool = False,
+        dry_run: bool = False,
+    ) -> list[int]:
+        # Decide on the run as a whole (both stores), then delete each victim everywhere,
+        # then the packs no version points into. ``verify``: a version counts as loadable
+        # only if every checksum verifies (prune), not only its manifest and packs.
+        async with self._retaining:
+            described = await self._describe(await self._list())
+            saving = {v.step for v in described if v.key in self._saving}
+            candidates = [
+                Candidate(
+                    v.step,
+                    v.saved or 0.0,
+                    v.step in saving
+                    # With a mirror, a version only here is the only copy until uploaded.
+                    or (self._mirror is not None and v.where == "local" and v.kind != "dcp"),
+                )
+                for v in described
+            ]
+            by_step = {v.step: v for v in described}
+            checked: list[Candidate] = []
+            good = 0
+            for candidate in newest_first(candidates):
+                if good < keep_last:
+                    loadable = await self._loadable(by_step[candidate.step], verify)
+                    good += loadable
+                    candidate = candidate._replace(loadable=loadable)
+                checked.append(candidate)
+            if verify and described and not good:
+                raise IntegrityError(
+                    f"no version of the run at {self._store.url} verifies (steps "
+                    f"{', '.join(str(v.step) for v in described)}): prune deleted nothing. "
+                    "Check the versions with 'asyncstore verify'; delete damaged ones by step"
+                )
+            doomed = victims(checked, keep_last, keep_every)
+            if dry_run:
+                return doomed
+            for step in doomed:
+                await self._delete_everywhere(by_step[step])
+                self._stats.deleted += 1
+            for store in self._stores():
+                try:
+                    await self._collect(store)
+                except (AsyncStoreError, OSError) as exc:  # the next collection tries again
+                    logger.warning("unused packs in %s stay for now (%s)", store.url, exc)
+            return doomed
+
+    async def _loadable(self, version: Version, verify: bool) -> bool:
+        # Whether some copy of ``version`` can serve a load: every checksum (``verify``), or
+        # what is cheap to check: its manifest (or .metadata) reads, and every pack it
+        # points into is the one it recorded. A copy a load found damaged is not counted.
+        for store in self._copies(version):
+            if (store.url, version.key) in self._damaged:
+                continue
             try:
-                there = await self._list_store(self._mirror)
-                mirrored = {v.step: v.size for v in there}
-                await self._retain_in(self._mirror, there, newest, None)
-            except (AsyncStoreError, OSError) as exc:
-                # Unknown: every local version counts as not uploaded, and stays.
-                logger.warning("retention on the mirror %s failed (%s)", self._mirror.url, exc)
-                mirrored = mirrored or {}
-        local = await self._list_store(self._store)
-        await self._retain_in(self._store, local, newest, mirrored)
+                if version.kind == "dcp":
+                    if verify:
+                        await self._verify_distributed(store, version)
+                    else:
+                        await dist_layout.read_metadata(store, version.key)
+                elif verify:
+                    await _verify((store, version.key))
+                else:
+                    info = await store.stat(version.key)
+                    manifest = await self._packs.manifest(store, version.key, info.size, info.mtime)
+                    for name, recorded in itertools.zip_longest(manifest.packs, manifest.pack_ids):
+                        expected = None if recorded is None else PackId(*recorded)
+                        if expected is None:  # an earlier release's: there, at least
+                            await store.stat(name)
+                        elif await pack_whole(store, name, expected) is not None:
+                            raise IntegrityError(f"its pack {name} is not whole")
+            except (IntegrityError, NotFound) as exc:
+                logger.info("%s/%s does not count as loadable (%s)", store.url, version.key, exc)
+                continue
+            return True
+        return False
+
+    def _stores(self) -> list[Store]:
+        return [self._store] if self._mirror is None else [self._store, self._mirror]
+
+    async def _delete_everywhere(self, version: Version) -> None:
+        # Here first, then the mirror: a version deleted here but not there (a crash
+        # between) is listed from the mirror, and the next delete or retention finishes.
+        for store in self._stores():
+            await self._delete_step(store, version.step)
 
     async def _collect(self, store: Store) -> int:
         # The packs no version there points into any more (nor a save or upload in flight).
@@ -498,49 +598,24 @@ class Checkpointer(AsyncResource):
             ]
             return await self._packs.collect(store, versions)
 
-    async def _retain_in(
-        self,
-        store: Store,
-        versions: list[Version],
-        newest: int,
-        mirrored: dict[int, int] | None,
-        policy: tuple[int, int | None] | None = None,
-        dry_run: bool = False,
-    ) -> list[int]:
-        # ``policy``: (keep_last, keep_every) in place of the configured ones (prune).
-        # Returns the steps deleted (with ``dry_run``, those that would be).
-        keep_last, every = policy or (self._config.keep_last, self._config.keep_every)
-        candidates = sorted((v for v in versions if v.step <= newest), key=lambda v: v.step)
-        kept = {v.step for v in candidates[-keep_last:]}
-        deleted = []
-        for version in candidates:
-            step = version.step
-            if step in kept or (every is not None and step % every == 0):
-                continue
-            if mirrored is not None and step not in mirrored and version.kind == "checkpoint":
-                continue  # the only copy until its upload commits
-            deleted.append(step)
-            if not dry_run:
-                await self._delete_step(store, step)
-                self._stats.deleted += 1
-        if not dry_run:
-            await self._collect(store)
-        return deleted
-
     async def prune(
         self, keep_last: int, keep_every: int | None = None, *, dry_run: bool = False
     ) -> list[int]:
         """Apply retention to the versions there now, with this policy instead of the
-        checkpointer's: keep the ``keep_last`` newest versions and every one whose step is a
-        multiple of ``keep_every``, delete the others (from the mirror too), then the packs
-        no version points into any more. Returns the steps deleted, oldest first; with
-        ``dry_run=True`` it deletes nothing and returns the steps it would delete.
+        checkpointer's, and return the steps deleted, oldest first (with ``dry_run=True``,
+        those it would delete; nothing is deleted).
 
-        As after a save, a local version that the mirror does not hold yet is kept.
+        As retention does (see the class), it keeps the window from the newest version
+        back to the ``keep_last``-th that loads, and every version whose step is a
+        multiple of ``keep_every``; here "loads" means every checksum verifies, so a
+        damaged version never counts toward ``keep_last``. Then the packs no version points
+        into any more go. With a mirror it decides on both stores together, deletes from
+        both, and keeps a local version the mirror does not hold yet.
 
         Raises:
             InvalidArgument: ``keep_last`` is not an int >= 1, or ``keep_every`` is neither
                 ``None`` nor an int >= 1.
+            IntegrityError: the run holds versions but none verifies: nothing is deleted.
         """
         for name, value in (("keep_last", keep_last), ("keep_every", keep_every)):
             if value is None and name == "keep_every":
@@ -550,24 +625,7 @@ class Checkpointer(AsyncResource):
         if not isinstance(dry_run, bool):
             raise InvalidArgument(f"dry_run={dry_run!r}: pass True or False")
         await self._ensure_open()
-        policy = (keep_last, keep_every)
-        deleted: set[int] = set()
-        mirrored: dict[int, int] | None = None
-        if self._mirror is not None:
-            there = await self._list_store(self._mirror)
-            mirrored = {v.step: v.size for v in there}
-            if there:
-                newest = there[-1].step
-                deleted.update(
-                    await self._retain_in(self._mirror, there, newest, None, policy, dry_run)
-                )
-        local = await self._list_store(self._store)
-        if local:
-            newest = local[-1].step
-            deleted.update(
-                await self._retain_in(self._store, local, newest, mirrored, policy, dry_run)
-            )
-        return sorted(deleted)
+        return await self._apply_policy(keep_last, keep_every, verify=True, dry_run=dry_run)
 
     async def _delete_step(self, store: Store, step: int) -> None:
         # Whichever way the step was saved (both, if it was saved again the other way).
@@ -655,25 +713,32 @@ class Checkpointer(AsyncResource):
             if version.key not in self._saving:
                 committed = time.time() if version.mtime is None else version.mtime
                 await self._upload(version.key, committed)
-        if local:
-            await self._retain(newest=local[-1].step)
+        # No retention here: opening a run (to list or load it, perhaps with other
+        # keep_last/keep_every values) never deletes anything.
 
     # -- what is there -------------------------------------------------------------------------
 
     async def versions(self) -> list[Version]:
-        """Every committed version, oldest first; with a mirror, those of either store
+        """Every committed version, oldest first: in the order they were saved
+        (``Version.saved``; for a run saved step after step, the order of the steps), so
+        the last is the newest, also after a rollback. With a mirror, those of either store
         (``Version.where`` says which holds it). Reads each version's manifest once (for
-        its sizes and state), from the local copy where there is one."""
+        its sizes, state and save time), from the local copy where there is one."""
         await self._ensure_open()
+        return await self._describe(await self._list())
+
+    async def _describe(self, listed: list[Version]) -> list[Version]:
         described = []
-        for version in await self._list():
+        for version in listed:
             store = self._copies(version)[0]
             state = version.state
+            if (store.url, version.key) in self._damaged:
+                state = "damaged"
             if version.kind == "dcp":
-                if (store.url, version.key) in self._damaged:
-                    state = "damaged"
                 described.append(
-                    msgspec.structs.replace(version, state=state, stored_bytes=version.size)
+                    msgspec.structs.replace(
+                        version, state=state, stored_bytes=version.size, saved=version.mtime
+                    )
                 )
                 continue
             try:
@@ -683,19 +748,23 @@ class Checkpointer(AsyncResource):
             except NotFound:
                 continue  # deleted since it was listed
             except IntegrityError:
-                described.append(msgspec.structs.replace(version, state="damaged"))
+                described.append(
+                    msgspec.structs.replace(version, state="damaged", saved=version.mtime)
+                )
                 continue
-            if (store.url, version.key) in self._damaged:
-                state = "damaged"
+            saved = manifest.metadata.get(SAVED)
+            if isinstance(saved, bool) or not isinstance(saved, int | float):
+                saved = manifest.created  # saved by an earlier release
             described.append(
                 msgspec.structs.replace(
                     version,
                     state=state,
                     raw_bytes=manifest.raw_bytes,
                     stored_bytes=manifest.stored_bytes,
+                    saved=float(saved),
                 )
             )
-        return described
+        return sorted(described, key=lambda v: (v.saved or 0.0, v.step))
 
     async def _list(self) -> list[Version]:
         local = {v.step: v for v in await self._list_store(self._store)}
@@ -845,13 +914,14 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"strict={strict!r}: pass True or False")
         await self._ensure_open()
         options = {"map_location": map_location, "keys": keys, "into": into}
-        versions = await self._list()  # the listing only: each load reads its own manifest
         if step is not None:
+            versions = await self._list()  # the listing only: the load reads its manifest
             key = version_key(self._check_step(step))
             for version in versions:
                 if version.step == step:
                     return await self._load_version(version, options)
             return await _load((self._store, key), **options)  # NotFound, naming it
+        versions = await self._describe(await self._list())  # in the order they were saved
         if not versions:
             raise NotFound(f"{self._store.url} holds no checkpoint versions ({PREFIX}*{SUFFIX})")
         failures: list[str] = []
@@ -944,8 +1014,7 @@ class Checkpointer(AsyncResource):
             if earlier < step and earlier not in writing:
                 await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
         self._stats.saves += 1
-        self._newest = max(self._newest, step)
-        self._tasks.spawn(self._retain(newest=self._newest), name="retention", detached=True)
+        self._tasks.spawn(self._retain(), name="retention", detached=True)
 
     async def gc(self) -> int:
         """Remove what killed saves and uploads left, here and on the mirror: temp files and
