@@ -12,7 +12,7 @@ import pytest
 
 import asyncstore
 from asyncstore.stores import drop_memory_store
-from asyncstore.testing import SeaweedFS
+from asyncstore.testing import FaultProxy, SeaweedFS
 
 BUCKET = "asyncstore-tests"
 MiB = 1 << 20
@@ -46,6 +46,13 @@ def fresh_bucket(seaweedfs: SeaweedFS) -> str:
     name = unique("bucket")
     seaweedfs.create_bucket(name)
     return name
+
+
+@pytest.fixture
+def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
+    """A fault-injecting TCP proxy in front of the session's server, for one test."""
+    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
+        yield running
 
 
 def s3_options(server: SeaweedFS, **overrides: Any) -> dict[str, Any]:

@@ -5,7 +5,6 @@ are damaged on their way to the real server by the fault proxy."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,6 @@ from asyncstore.testing import FaultProxy, SeaweedFS
 from .conftest import BUCKET, MiB, s3_options, unique
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
-        yield running
 
 
 @pytest.mark.parametrize("size", [3 * MiB, 12 * MiB])  # one PUT; three parts of 5 MiB
@@ -69,7 +62,7 @@ async def test_a_mirror_copy_damaged_on_the_wire_is_uploaded_again(
 ) -> None:
     # Without reading the copy back: the ETag shows the damage, the copy is deleted and
     # uploaded again, and what the mirror holds in the end loads byte for byte.
-    from asyncstore.checkpoint import _manager
+    from asyncstore.checkpoint import _mirror
 
     mirror = f"s3://{BUCKET}/{unique('mirror')}"
     options = s3_options(seaweedfs, endpoint_url=proxy.url)
@@ -77,7 +70,7 @@ async def test_a_mirror_copy_damaged_on_the_wire_is_uploaded_again(
     state = {"w": weights, "step": 1}
     proxy.corrupt_next(1, match="partNumber=2")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_manager, "UPLOAD_RETRY_SECONDS", 0.01)
+        patch.setattr(_mirror, "UPLOAD_RETRY_SECONDS", 0.01)
         async with Checkpointer(tmp_path / "run", mirror=mirror, mirror_options=options) as ckpt:
             await (await ckpt.save(state, 1))
     assert proxy.corrupted == 1

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -354,12 +353,6 @@ async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versi
     assert newest > 0
 
 
-@pytest.fixture
-def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
-        yield running
-
-
 @pytest.mark.s3
 async def test_local_first_then_the_mirror(
     tmp_path: Path, seaweedfs: SeaweedFS, caplog: pytest.LogCaptureFixture
@@ -402,10 +395,10 @@ async def test_local_first_then_the_mirror(
 async def test_a_mirror_that_is_down_never_costs_a_local_version(
     tmp_path: Path, seaweedfs: SeaweedFS, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncstore.checkpoint import _manager
+    from asyncstore.checkpoint import _mirror
 
-    monkeypatch.setattr(_manager, "UPLOAD_ATTEMPTS", 2)
-    monkeypatch.setattr(_manager, "UPLOAD_RETRY_SECONDS", 0.01)
+    monkeypatch.setattr(_mirror, "UPLOAD_ATTEMPTS", 2)
+    monkeypatch.setattr(_mirror, "UPLOAD_RETRY_SECONDS", 0.01)
     local = tmp_path / "run"
     mirror = f"s3://{BUCKET}/{unique('mirror')}"
     options = s3_options(

@@ -52,11 +52,11 @@ def key(step: int) -> str:
 FIRST_PROCESS = f"""
 import asyncio, json, logging, sys
 import msgspec, torch
-from asyncstore.checkpoint import Checkpointer, _manager
+from asyncstore.checkpoint import Checkpointer, _mirror
 
 logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
-_manager.UPLOAD_ATTEMPTS = {ATTEMPTS}
-_manager.UPLOAD_RETRY_SECONDS = 0.05
+_mirror.UPLOAD_ATTEMPTS = {ATTEMPTS}
+_mirror.UPLOAD_RETRY_SECONDS = 0.05
 
 async def main():
     local, (mirror, options) = sys.argv[1], json.loads(sys.argv[2])

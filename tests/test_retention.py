@@ -230,3 +230,14 @@ async def test_cli_prune_keeps_a_damaged_newest_and_the_good_one_below_it(
         "step-000000003.ckpt",
         "step-000000004.ckpt",
     ]
+
+
+def test_save_order_keeps_a_version_of_unknown_time_in_its_place_by_step() -> None:
+    from asyncstore.checkpoint._versions import Version, in_save_order
+
+    def v(step: int, saved: float | None) -> Version:
+        return Version(step, f"step-{step:09d}.ckpt", 1, None, saved=saved)
+
+    # Step 3 rolled back to (saved last); step 2's manifest does not read.
+    listed = in_save_order([v(1, 10.0), v(2, None), v(3, 50.0), v(4, 30.0), v(5, 40.0)])
+    assert [x.step for x in listed] == [1, 2, 4, 5, 3]

@@ -22,7 +22,6 @@ import asyncio
 import itertools
 import logging
 import os
-import re
 import time
 import weakref
 from typing import Annotated, Any, Literal
@@ -33,7 +32,7 @@ from .._concurrency import TaskSet
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
-from ..stores import CleansUpWrites, ObjectInfo, Store, open_store
+from ..stores import CleansUpWrites, Store, open_store
 from . import _distributed as dist_layout
 from . import _format as fmt
 from ._codec import Known
@@ -41,48 +40,33 @@ from ._format import PACK_NAME
 from ._handle import SaveHandle, SaveResult
 from ._load import load as _load
 from ._load import verify as _verify
-from ._mirror import copy_version
+from ._mirror import Uploader
 from ._packfile import PackId
 from ._packfile import whole as pack_whole
 from ._packs import PACKS, PackBook, pack_name
 from ._retention import Candidate, newest_first, victims
 from ._save import save as _save
 from ._save import save_packed
+from ._versions import (
+    CHAIN,
+    PREFIX,
+    SAVED,
+    SUFFIX,
+    Copy,
+    Version,
+    dcp_prefix,
+    identity,
+    in_save_order,
+    is_version_key,
+    merge,
+    saved_of,
+    scan,
+    version_key,
+)
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointerStats", "Version", "VerifyReport"]
 
 logger = logging.getLogger("asyncstore.checkpoint")
-
-PREFIX = "step-"
-SUFFIX = ".ckpt"
-DIGITS = 9
-UPLOAD_ATTEMPTS = 5
-UPLOAD_RETRY_SECONDS = 1.0
-"""An upload to the mirror is tried this many times, the waits doubling from this; then it
-waits for the next checkpointer on the run (a mirror down for a minute costs warnings)."""
-
-# The metadata key of a differential version's place in its chain: 0 for a full save, then
-# one more for each differential save that builds on it.
-CHAIN = "chain"
-
-# The metadata key of when save() was called (Unix seconds): what orders versions, so that
-# after a rollback the version saved last is the newest, whatever its step.
-SAVED = "saved"
-
-DCP_SUFFIX = ".dcp/"
-
-_NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(SUFFIX)}$")
-_DCP_NAME = re.compile(rf"^{PREFIX}(\d{{{DIGITS},}}){re.escape(DCP_SUFFIX)}(.+)$")
-
-
-def version_key(step: int) -> str:
-    """The key of the version of ``step``: ``step-000001000.ckpt``."""
-    return f"{PREFIX}{step:0{DIGITS}d}{SUFFIX}"
-
-
-def dcp_prefix(step: int) -> str:
-    """The directory of the distributed version of ``step``: ``step-000001000.dcp/``."""
-    return f"{PREFIX}{step:0{DIGITS}d}{DCP_SUFFIX}"
 
 
 class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -118,46 +102,15 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     keeps all its bytes. A full save every tenth bounds both, at about 1.9 times the bytes
     of saving a tenth each time."""
 
+    mirror_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
+    """Ten seconds: a listing waits this long for a mirror that does not answer, then
+    goes on with the local versions (a resume must not hang on a stalled mirror), while a
+    healthy S3 lists a run's versions in well under a second."""
 
-class Version(msgspec.Struct, frozen=True):
-    """One committed version of a run's checkpoints.
-
-    Attributes:
-        step: the training step it was saved at.
-        key: its key in the store (``step-000001000.ckpt``; for a distributed version, its
-            directory ``step-000001000.dcp/``).
-        size: the bytes of that object (for a differential version, only its structure
-            and manifest: its chunks lie in packs; for a distributed version, of every
-            object in its directory).
-        mtime: when it was committed (Unix seconds, from the store; ``None`` if unknown).
-        where: which store holds it: ``"local"`` (the checkpointer's own URL),
-            ``"mirror"``, or ``"both"``.
-        state: ``"committed"``; ``"uploading"`` while a mirror lacks a local version;
-            ``"damaged"`` when its manifest does not verify, or when a load or
-            :meth:`~Checkpointer.verify` of this checkpointer found it damaged.
-        raw_bytes: the tensors' bytes plus the pickled structure (0 when damaged, and for
-            a distributed version, whose ranks' manifests are not read for a listing).
-        stored_bytes: what its save wrote, the chunks earlier versions held left out
-            (0 when damaged).
-        kind: ``"checkpoint"``, one object written by :meth:`Checkpointer.save`; or
-            ``"dcp"``, a distributed version written by ``torch.distributed.checkpoint``
-            through :meth:`asyncstore.torch.Checkpointer.dcp_writer`.
-        saved: when it was saved (Unix seconds): the time of the :meth:`Checkpointer.save`
-            call (recorded in the version), or for a distributed version and a version of
-            an earlier release, when it was written. Versions are ordered by it: the
-            newest is the one saved last, also after a rollback to a lower step.
-    """
-
-    step: int
-    key: str
-    size: int
-    mtime: float | None
-    where: Literal["local", "mirror", "both"] = "local"
-    state: Literal["committed", "uploading", "damaged"] = "committed"
-    raw_bytes: int = 0
-    stored_bytes: int = 0
-    kind: Literal["checkpoint", "dcp"] = "checkpoint"
-    saved: float | None = None
+    close_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = 300.0
+    """Five minutes: closing waits this long for uploads still running, then abandons
+    them (they stay local; the next checkpointer on the run uploads them), so that a job
+    ends even when its mirror stalls. ``None`` waits for them however long they take."""
 
 
 class CheckpointerStats(msgspec.Struct):
@@ -241,6 +194,11 @@ class Checkpointer(AsyncResource):
             the checkpointer is next used. A failing mirror gives warnings and retries,
             never errors in :meth:`save`.
         mirror_options: options for :func:`open_store` of the mirror.
+        mirror_timeout: seconds a listing (``versions``, ``load``, retention) waits for the
+            mirror before going on with the local versions alone, with a warning.
+        close_timeout: seconds closing waits for uploads still running before it
+            abandons them with a warning (they stay local; the next checkpointer on the
+            run uploads them); ``None``: no limit.
 
     Use it as an async context manager. :meth:`save` returns after the snapshot, as
     :func:`asyncstore.save` does; the upload and retention run once the version commits,
@@ -267,6 +225,8 @@ class Checkpointer(AsyncResource):
         store_options: dict[str, Any] | None = None,
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,
+        mirror_timeout: float = 10.0,
+        close_timeout: float | None = 300.0,
     ) -> None:
         for name, value in (("store_options", store_options), ("mirror_options", mirror_options)):
             if value is not None and not isinstance(value, dict):
@@ -284,6 +244,8 @@ class Checkpointer(AsyncResource):
                 "differential": differential,
                 "full_every": full_every,
                 "chunk_bytes": chunk_bytes,
+                "mirror_timeout": mirror_timeout,
+                "close_timeout": close_timeout,
             },
             "Checkpointer",
         )
@@ -297,13 +259,15 @@ class Checkpointer(AsyncResource):
         self._mirror: Store | None = (
             None if mirror is None else open_store(os.fspath(mirror), **(mirror_options or {}))
         )
-        self._upload_slot = asyncio.Semaphore(1)  # one upload at a time: bounded memory
-        self._uploading: set[str] = set()
         self._tasks = TaskSet(f"the checkpointer at {self._store.url}")
         self._saving: set[str] = set()  # keys of this checkpointer's saves not yet ended
         self._packs = PackBook()
+        self._uploader = (
+            None if self._mirror is None else Uploader(self._store, self._mirror, self._packs)
+        )
         # Copies a load or verify found damaged, as (store URL, key), until saved again.
         self._damaged: set[tuple[str, str]] = set()
+        self._noted: set[str] = set()  # what listings warned about already
         self._stats = CheckpointerStats()
         self._retaining = asyncio.Lock()  # one retention at a time: each sees the last's work
         # Writers of distributed versions handed out here (asyncstore.torch's dcp_writer),
@@ -331,8 +295,18 @@ class Checkpointer(AsyncResource):
 
     async def _on_close(self) -> None:
         try:
-            while self._tasks:
-                await self._tasks.join()  # uploads and retention after the last saves
+            try:
+                async with asyncio.timeout(self._config.close_timeout):
+                    while self._tasks:
+                        await self._tasks.join()  # uploads and retention after the last saves
+            except TimeoutError:
+                logger.warning(
+                    "closing the checkpointer at %s: uploads still running after %.0f s "
+                    "(close_timeout) are abandoned; their versions stay local, and the next "
+                    "checkpointer on this run uploads them",
+                    self._store.url,
+                    self._config.close_timeout,
+                )
             await self._tasks.aclose()
         finally:
             try:
@@ -366,6 +340,8 @@ class Checkpointer(AsyncResource):
         config = self._config
         key = version_key(step)
         self._damaged.discard((self._store.url, key))
+        if self._uploader is not None:
+            self._uploader.renew(key)  # deleted before: this save's upload may go ahead
         options: dict[str, Any] = {
             "compression": config.compression,
             "staging_bytes": config.staging_bytes,
@@ -474,8 +450,8 @@ class Checkpointer(AsyncResource):
                 return  # the save's own error goes to whoever awaits its handle
             finally:
                 await self._packs.unpin(self._store, pins)  # named by a committed version now
-            if self._mirror is not None:
-                await self._upload(key, time.time())
+            if self._uploader is not None:
+                await self._uploader.upload(key, time.time())
         finally:
             self._saving.discard(key)
         await self._retain()
@@ -483,7 +459,16 @@ class Checkpointer(AsyncResource):
     def stats(self) -> CheckpointerStats:
         """A snapshot of what this checkpointer did: saves, blocking and total seconds,
         bytes written and skipped, versions deleted."""
-        return msgspec.structs.replace(self._stats)
+        if self._uploader is None:
+            return msgspec.structs.replace(self._stats)
+        uploader = self._uploader
+        return msgspec.structs.replace(
+            self._stats,
+            uploads=uploader.uploads,
+            upload_failures=uploader.failures,
+            last_upload_seconds=uploader.last_seconds,
+            last_upload_lag_seconds=uploader.last_lag_seconds,
+        )
 
     async def _retain(self) -> None:
         # After a save of this checkpointer, with its own policy. The version just saved
@@ -514,12 +499,12 @@ class Checkpointer(AsyncResource):
             candidates = [
                 Candidate(
                     v.step,
-                    v.saved or 0.0,
+                    float(position),  # the save order (see _versions.in_save_order)
                     v.step in saving
                     # With a mirror, a version only here is the only copy until uploaded.
                     or (self._mirror is not None and v.where == "local" and v.kind != "dcp"),
                 )
-                for v in described
+                for position, v in enumerate(described)
             ]
             by_step = {v.step: v for v in described}
             checked: list[Candidate] = []
@@ -579,12 +564,18 @@ class Checkpointer(AsyncResource):
             return True
         return False
 
+    def _uploading(self) -> set[str]:
+        return set() if self._uploader is None else set(self._uploader.uploading)
+
     def _stores(self) -> list[Store]:
         return [self._store] if self._mirror is None else [self._store, self._mirror]
 
     async def _delete_everywhere(self, version: Version) -> None:
-        # Here first, then the mirror: a version deleted here but not there (a crash
-        # between) is listed from the mirror, and the next delete or retention finishes.
+        # Its upload stopped first (else it would bring the version back), then here, then
+        # the mirror: a version deleted here but not there (a crash between) is listed from
+        # the mirror, and the next delete or retention finishes.
+        if self._uploader is not None:
+            await self._uploader.abandon(version.key)
         for store in self._stores():
             await self._delete_step(store, version.step)
 
@@ -636,83 +627,36 @@ class Checkpointer(AsyncResource):
 
     # -- the mirror ----------------------------------------------------------------------------
 
-    async def _upload(self, key: str, committed: float) -> bool:
-        """Copy ``key`` (committed locally at ``committed``, Unix seconds) to the mirror,
-        retried with backoff; ``False`` when it gave up (the next use of a checkpointer on
-        this run resumes it)."""
-        assert self._mirror is not None
-        delay = UPLOAD_RETRY_SECONDS
-        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
-            started = time.monotonic()
-            try:
-                async with self._upload_slot:
-                    self._uploading.add(key)
-                    try:
-                        await self._copy_to_mirror(key)
-                    finally:
-                        self._uploading.discard(key)
-            except NotFound:
-                return False  # deleted here meanwhile: nothing to upload
-            except (AsyncStoreError, OSError) as exc:
-                self._stats.upload_failures += 1
-                if attempt == UPLOAD_ATTEMPTS:
-                    logger.warning(
-                        "uploading %s to the mirror %s failed %d times (%s); it stays local, "
-                        "and the next checkpointer on this run uploads it",
-                        key,
-                        self._mirror.url,
-                        attempt,
-                        exc,
-                    )
-                    return False
-                logger.warning(
-                    "uploading %s to the mirror %s failed (%s); retrying in %.1f s",
-                    key,
-                    self._mirror.url,
-                    exc,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay *= 2
-                continue
-            now = time.monotonic()
-            self._stats.uploads += 1
-            self._stats.last_upload_seconds = now - started
-            # Wall clock: a resumed upload's version was committed by an earlier process.
-            self._stats.last_upload_lag_seconds = max(0.0, time.time() - committed)
-            return True
-        return False
-
-    async def _copy_to_mirror(self, key: str) -> None:
-        assert self._mirror is not None
-        info = await self._store.stat(key)
-        manifest = await self._packs.manifest(self._store, key, info.size, info.mtime)
-        packs = set(manifest.packs)
-        # Copied before the version that names them: pinned there until it commits.
-        self._packs.pin(self._mirror, packs)
-        try:
-            await copy_version(self._store, self._mirror, key, manifest.packs)
-        finally:
-            await self._packs.unpin(self._mirror, packs)
-
     async def _resume_uploads(self) -> None:
-        assert self._mirror is not None
+        # The versions only here (not uploaded yet, or the mirror's copy is stale or
+        # damaged), newest first: it matters most. Each is verified first: an upload
+        # must not spread damage that happened here since the save.
+        assert self._uploader is not None
         try:
-            mirrored = {v.step: v.size for v in await self._list_store(self._mirror)}
+            versions = await self._describe(await self._list())
         except (AsyncStoreError, OSError) as exc:
-            logger.warning(
-                "the mirror %s cannot be listed (%s); versions not uploaded yet stay local, "
-                "and the next checkpointer on this run uploads them",
-                self._mirror.url,
-                exc,
-            )
+            logger.warning("versions not uploaded yet stay local for now (%s)", exc)
             return
-        local = await self._list_store(self._store)
-        missing = [v for v in local if v.kind == "checkpoint" and mirrored.get(v.step) != v.size]
-        for version in reversed(missing):  # the newest first: it matters most
-            if version.key not in self._saving:
-                committed = time.time() if version.mtime is None else version.mtime
-                await self._upload(version.key, committed)
+        for version in reversed(versions):
+            if (
+                version.where != "local"
+                or version.kind != "checkpoint"
+                or version.state == "damaged"
+                or version.key in self._saving
+            ):
+                continue
+            try:
+                await _verify((self._store, version.key))
+            except IntegrityError as exc:
+                self._damaged.add((self._store.url, version.key))
+                logger.warning(
+                    "%s/%s is damaged (%s); not uploading it", self._store.url, version.key, exc
+                )
+                continue
+            except NotFound:
+                continue
+            committed = time.time() if version.mtime is None else version.mtime
+            await self._uploader.upload(version.key, committed)
         # No retention here: opening a run (to list or load it, perhaps with other
         # keep_last/keep_every values) never deletes anything.
 
@@ -736,9 +680,7 @@ class Checkpointer(AsyncResource):
                 state = "damaged"
             if version.kind == "dcp":
                 described.append(
-                    msgspec.structs.replace(
-                        version, state=state, stored_bytes=version.size, saved=version.mtime
-                    )
+                    msgspec.structs.replace(version, state=state, stored_bytes=version.size)
                 )
                 continue
             try:
@@ -748,35 +690,37 @@ class Checkpointer(AsyncResource):
             except NotFound:
                 continue  # deleted since it was listed
             except IntegrityError:
-                described.append(
-                    msgspec.structs.replace(version, state="damaged", saved=version.mtime)
-                )
+                described.append(msgspec.structs.replace(version, state="damaged"))
                 continue
-            saved = manifest.metadata.get(SAVED)
-            if isinstance(saved, bool) or not isinstance(saved, int | float):
-                saved = manifest.created  # saved by an earlier release
+            saved = saved_of(manifest)
             described.append(
                 msgspec.structs.replace(
                     version,
                     state=state,
                     raw_bytes=manifest.raw_bytes,
                     stored_bytes=manifest.stored_bytes,
-                    saved=float(saved),
+                    saved=saved,
                 )
             )
-        return sorted(described, key=lambda v: (v.saved or 0.0, v.step))
+        return in_save_order(described)
 
     async def _list(self) -> list[Version]:
-        local = {v.step: v for v in await self._list_store(self._store)}
+        # The run's versions, by step: with a mirror, each step served by the copies
+        # that agree (see _versions.merge).
+        local = await self._list_store(self._store)
         if self._mirror is None:
-            return list(local.values())
-        # Local only: the upload has not committed yet.
-        merged = {
-            step: v if v.kind == "dcp" else msgspec.structs.replace(v, state="uploading")
-            for step, v in local.items()
-        }
+            return local
+        here = await self._weigh(self._store, local)
         try:
-            mirrored = await self._list_store(self._mirror)
+            async with asyncio.timeout(self._config.mirror_timeout):
+                there = await self._weigh(self._mirror, await self._list_store(self._mirror))
+        except TimeoutError:
+            logger.warning(
+                "the mirror %s did not answer within %.1f s; listing the local versions only",
+                self._mirror.url,
+                self._config.mirror_timeout,
+            )
+            there = {}
         except (AsyncStoreError, OSError) as exc:
             # A resume must not depend on the mirror: the local versions are listed alone.
             logger.warning(
@@ -784,44 +728,40 @@ class Checkpointer(AsyncResource):
                 self._mirror.url,
                 exc,
             )
-            mirrored = []
-        for version in mirrored:
-            here = local.get(version.step)
-            if here is None:
-                merged[version.step] = msgspec.structs.replace(version, where="mirror")
-            elif here.size == version.size:
-                merged[version.step] = msgspec.structs.replace(here, where="both")
-        return [merged[step] for step in sorted(merged)]
+            there = {}
+        merged, notes = merge(here, there)
+        for note in notes:
+            if note not in self._noted:  # once per process, not at every listing
+                self._noted.add(note)
+                logger.warning("%s (mirror %s): %s", self._store.url, self._mirror.url, note)
+        return merged
+
+    async def _weigh(self, store: Store, versions: list[Version]) -> dict[int, Copy]:
+        # Each version's identity and save time in ``store``, from its manifest (read once
+        # per process; None when it does not read). Deleted meanwhile: left out.
+        copies = {}
+        for version in versions:
+            fallback = version.saved or version.mtime or 0.0
+            if version.kind == "dcp":
+                copies[version.step] = Copy(version, None, fallback)
+                continue
+            try:
+                manifest = await self._packs.manifest(
+                    store, version.key, version.size, version.mtime
+                )
+            except NotFound:
+                continue
+            except IntegrityError:
+                copies[version.step] = Copy(version, None, fallback)
+                continue
+            copies[version.step] = Copy(version, identity(manifest), saved_of(manifest))
+        return copies
 
     async def _list_store(self, store: Store) -> list[Version]:
         return (await self._scan(store))[0]
 
     async def _scan(self, store: Store) -> tuple[list[Version], list[int]]:
-        # The versions there, oldest first; and the steps of distributed saves with no
-        # .metadata (not complete: in flight, or killed).
-        found: dict[int, Version] = {}
-        directories: dict[int, list[ObjectInfo]] = {}
-        async for info in store.list(PREFIX):
-            match = _NAME.match(info.key)
-            if match is not None:
-                step = int(match.group(1))
-                found[step] = Version(step, info.key, info.size, info.mtime)
-            elif (match := _DCP_NAME.match(info.key)) is not None:
-                directories.setdefault(int(match.group(1)), []).append(info)
-            # else not a version: another file in the same place
-        unfinished = []
-        for step, infos in directories.items():
-            key = dcp_prefix(step)
-            marker = next((i for i in infos if i.key == key + dist_layout.METADATA), None)
-            if marker is None:
-                unfinished.append(step)
-                continue
-            size = sum(i.size for i in infos)
-            other = found.get(step)
-            # A step saved both ways: the newer save is the version.
-            if other is None or (other.mtime or 0.0) <= (marker.mtime or 0.0):
-                found[step] = Version(step, key, size, marker.mtime, kind="dcp")
-        return [found[step] for step in sorted(found)], sorted(unfinished)
+        return await scan(store)
 
     async def latest(self) -> Version | None:
         """The newest committed version (not verified), or ``None`` when there is none."""
@@ -829,16 +769,20 @@ class Checkpointer(AsyncResource):
         return versions[-1] if versions else None
 
     async def delete(self, step: int) -> None:
-        """Delete the version of ``step`` (from the mirror too).
+        """Delete the version of ``step`` (from the mirror too). An upload of it in flight
+        is stopped first (its unfinished parts discarded) and is not retried, so the mirror
+        never brings it back; saving the step again uploads the new version as usual.
 
         Raises:
             NotFound: there is no such version.
         """
         key = version_key(self._check_step(step))
         await self._ensure_open()
-        stores = [self._store] if self._mirror is None else [self._store, self._mirror]
+        if self._uploader is not None:
+            # Its upload stops first and does not start again: it would bring it back.
+            await self._uploader.abandon(key)
         found = False
-        for store in stores:
+        for store in self._stores():
             if not any(v.step == step for v in await self._list_store(store)):
                 continue
             found = True
@@ -1049,9 +993,9 @@ class Checkpointer(AsyncResource):
                     keep = dist_layout.objects_named(metadata) | {dist_layout.METADATA}
                     removed += await dist_layout.remove_unnamed(store, version.key, keep)
             if isinstance(store, CleansUpWrites):
-                busy = self._saving if store is self._store else self._uploading
+                busy = self._saving if store is self._store else self._uploading()
                 for key in await store.abandoned_writes(PREFIX):
-                    if _NAME.match(key) and key not in busy:
+                    if is_version_key(key) and key not in busy:
                         removed += await store.clean_up_writes(key)
                 for key in await store.abandoned_writes(PACKS):
                     if PACK_NAME.match(key) and key not in self._packs.pinned(store):

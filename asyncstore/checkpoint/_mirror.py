@@ -1,29 +1,66 @@
-"""Copying a checkpoint version to a mirror store: streamed in bounded memory, and checked
-before it counts as mirrored: against the MD5 the server reports (S3 ETags), or else read
-back and compared. A
-differential version's packs go first (those the mirror lacks), the version last: the
-mirror never holds a version whose packs are not all there."""
+"""Copying a checkpoint version to a mirror store, and the uploads of a checkpointer.
+
+A copy is streamed in bounded memory, and checked before it counts as mirrored: against
+the MD5 the server reports (S3 ETags), or else read back and compared. A differential
+version's packs go first (those the mirror lacks: compared by identity, not size), the
+version last: the mirror never holds a version whose packs are not all there.
+
+:class:`Uploader` runs a checkpointer's uploads: one at a time, retried with backoff, and
+abandoned when the version is deleted, so that a deleted version never comes back from
+the mirror.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
 import xxhash
 
-from ..errors import IntegrityError, NotFound
+from ..errors import AsyncStoreError, IntegrityError, NotFound
 from ..stores import CheckedUploads, Store
+from ._packfile import PackId
+from ._packfile import whole as pack_whole
 
-__all__ = ["COPY_CHUNK_BYTES", "copy_version", "copy_object"]
+if TYPE_CHECKING:
+    from ._packs import PackBook
+
+__all__ = [
+    "COPY_CHUNK_BYTES",
+    "UPLOAD_ATTEMPTS",
+    "UPLOAD_RETRY_SECONDS",
+    "Uploader",
+    "copy_object",
+    "copy_version",
+]
+
+logger = logging.getLogger("asyncstore.checkpoint")
+
+UPLOAD_ATTEMPTS = 5
+UPLOAD_RETRY_SECONDS = 1.0
+"""An upload to the mirror is tried this many times, the waits doubling from this; then it
+waits for the next checkpointer on the run (a mirror down for a minute costs warnings)."""
 
 COPY_CHUNK_BYTES = 8 << 20
 """Bytes read and written at a time: large enough for few requests per version, small
 enough that an upload beside training holds little memory (plus the S3 writer's parts)."""
 
 
-async def copy_version(source: Store, target: Store, key: str, packs: list[str]) -> int:
+async def copy_version(
+    source: Store,
+    target: Store,
+    key: str,
+    packs: list[str],
+    ids: list[tuple[int, int]] | None = None,
+) -> int:
     """Copy the version ``key`` and the ``packs`` it points into from ``source`` to
     ``target``, each checked; return the bytes copied.
 
-    A pack the target holds already at the same size is not copied again: packs are never
-    rewritten, and each was checked when it was copied.
+    A pack the target holds already is not copied again when it is the one the version
+    recorded (``ids``, the manifest's ``pack_ids``: size and index checksum); a pack of an
+    earlier release, which has no identity, when its size matches.
 
     Raises:
         NotFound: ``key`` or a pack is no longer in ``source`` (deleted meanwhile).
@@ -31,13 +68,19 @@ async def copy_version(source: Store, target: Store, key: str, packs: list[str])
         StoreUnavailable, StoreError: a store failed.
     """
     copied = 0
+    recorded = dict(zip(packs, ids or [], strict=False))
     for pack in packs:
-        size = (await source.stat(pack)).size
-        try:
-            if (await target.stat(pack)).size == size:
+        expected = recorded.get(pack)
+        if expected is not None:
+            if await pack_whole(target, pack, PackId(*expected)) is None:
                 continue
-        except NotFound:
-            pass
+        else:
+            size = (await source.stat(pack)).size
+            try:
+                if (await target.stat(pack)).size == size:
+                    continue
+            except NotFound:
+                pass
         copied += await copy_object(source, target, pack)
     return copied + await copy_object(source, target, key)
 
@@ -90,3 +133,114 @@ async def copy_object(source: Store, target: Store, key: str) -> int:
             f"({read} bytes against {size}); it was deleted and is uploaded again"
         )
     return size
+
+
+class Uploader:
+    """The uploads of one checkpointer's versions from its store to its mirror.
+
+    One at a time (bounded memory beside training), each retried with doubling waits and
+    a warning, then left for the next checkpointer on the run. :meth:`abandon` stops the
+    upload of a version being deleted and keeps it from starting again; an upload that
+    finds, once done, that its version was deleted meanwhile (by another process) removes
+    its copy again.
+    """
+
+    def __init__(self, local: Store, mirror: Store, packs: PackBook) -> None:
+        self.local = local
+        self.mirror = mirror
+        self._packs = packs
+        self._slot = asyncio.Semaphore(1)
+        self.uploading: set[str] = set()  # keys being copied now
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._abandoned: set[str] = set()
+        self.uploads = 0
+        self.failures = 0
+        self.last_seconds = 0.0
+        self.last_lag_seconds = 0.0
+
+    def renew(self, key: str) -> None:
+        """``key`` is being saved again: its uploads may go ahead."""
+        self._abandoned.discard(key)
+
+    async def abandon(self, key: str) -> None:
+        """Stop the upload of ``key`` (cancelled, its unfinished parts discarded by the
+        writer) and keep it from starting again until :meth:`renew`; return once it ended."""
+        self._abandoned.add(key)
+        task = self._running.get(key)
+        if task is not None:
+            task.cancel()
+            await asyncio.wait([task])
+
+    async def upload(self, key: str, committed: float) -> bool:
+        """Copy ``key`` (committed locally at ``committed``, Unix seconds) to the mirror,
+        retried with backoff; ``False`` when it gave up or was abandoned."""
+        delay = UPLOAD_RETRY_SECONDS
+        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+            started = time.monotonic()
+            try:
+                async with self._slot:
+                    if key in self._abandoned:
+                        return False
+                    task = asyncio.ensure_future(self._copy(key))
+                    self._running[key] = task
+                    self.uploading.add(key)
+                    try:
+                        await task
+                    except asyncio.CancelledError:
+                        current = asyncio.current_task()
+                        if task.cancelled() and not (current and current.cancelling()):
+                            return False  # abandoned: the version is being deleted
+                        raise
+                    finally:
+                        self.uploading.discard(key)
+                        del self._running[key]
+            except NotFound:
+                return False  # deleted here meanwhile: nothing to upload
+            except (AsyncStoreError, OSError) as exc:
+                self.failures += 1
+                if attempt == UPLOAD_ATTEMPTS:
+                    logger.warning(
+                        "uploading %s to the mirror %s failed %d times (%s); it stays local, "
+                        "and the next checkpointer on this run uploads it",
+                        key,
+                        self.mirror.url,
+                        attempt,
+                        exc,
+                    )
+                    return False
+                logger.warning(
+                    "uploading %s to the mirror %s failed (%s); retrying in %.1f s",
+                    key,
+                    self.mirror.url,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay *= 2
+                continue
+            self.uploads += 1
+            self.last_seconds = time.monotonic() - started
+            # Wall clock: a resumed upload's version was committed by an earlier process.
+            self.last_lag_seconds = max(0.0, time.time() - committed)
+            return True
+        return False
+
+    async def _copy(self, key: str) -> None:
+        info = await self.local.stat(key)
+        manifest = await self._packs.manifest(self.local, key, info.size, info.mtime)
+        packs = set(manifest.packs)
+        # Copied before the version that names them: pinned there until it commits.
+        self._packs.pin(self.mirror, packs)
+        try:
+            await copy_version(self.local, self.mirror, key, manifest.packs, manifest.pack_ids)
+        finally:
+            await self._packs.unpin(self.mirror, packs)
+        # Deleted here while it was copied (by another process: this one abandons its
+        # uploads first)? Then the copy would bring it back: it goes too.
+        try:
+            await self.local.stat(key)
+        except NotFound:
+            logger.info("%s was deleted during its upload; removing its copy", key)
+            await self.mirror.delete(key)
+            self._packs.forget(self.mirror, key)
+            raise
