@@ -38,6 +38,7 @@ from . import _format as fmt
 from ._codec import Known
 from ._format import PACK_NAME
 from ._handle import SaveHandle, SaveResult
+from ._leases import LEASES, LeaseHolder, live_keys
 from ._load import load as _load
 from ._load import verify as _verify
 from ._mirror import Uploader
@@ -351,6 +352,7 @@ class Checkpointer(AsyncResource):
         }
         self._saving.add(key)
         pins: set[str] = set()
+        lease: LeaseHolder | None = None
         try:
             if config.differential:
                 pack = pack_name(key)
@@ -364,17 +366,24 @@ class Checkpointer(AsyncResource):
                         known, ids, chain = {}, {}, 0  # a full save: a new chain starts
                     pins = {ref.pack for ref in known.values()} | {pack}
                     self._packs.pin(self._store, pins)
+                    # And for other processes: their collections and gc() keep them too.
+                    lease = LeaseHolder(self._store, pins | {key})
+                    await lease.hold()
                 options["metadata"][CHAIN] = chain
                 handle = await save_packed(state, self._store, key, pack, known, ids, **options)
             else:
+                lease = LeaseHolder(self._store, {key})
+                await lease.hold()
                 handle = await _save(state, (self._store, key), **options)
         except BaseException:
             self._saving.discard(key)
             await self._packs.unpin(self._store, pins)
+            if lease is not None:
+                await lease.release()
             raise
         handle._when_done(lambda task: self._count(task, step))
         self._tasks.spawn(
-            self._after_commit(handle, step, key, pins), name="retention", detached=True
+            self._after_commit(handle, step, key, pins, lease), name="retention", detached=True
         )
         return handle
 
@@ -440,7 +449,9 @@ class Checkpointer(AsyncResource):
                 )
         return whole
 
-    async def _after_commit(self, handle: SaveHandle, step: int, key: str, pins: set[str]) -> None:
+    async def _after_commit(
+        self, handle: SaveHandle, step: int, key: str, pins: set[str], lease: LeaseHolder
+    ) -> None:
         # The key stays in _saving until its upload ends: gc and the resumed uploads leave
         # it alone meanwhile.
         try:
@@ -449,7 +460,9 @@ class Checkpointer(AsyncResource):
             except BaseException:
                 return  # the save's own error goes to whoever awaits its handle
             finally:
-                await self._packs.unpin(self._store, pins)  # named by a committed version now
+                # Named by a committed version now (or never to be).
+                await self._packs.unpin(self._store, pins)
+                await lease.release()
             if self._uploader is not None:
                 await self._uploader.upload(key, time.time())
         finally:
@@ -582,11 +595,11 @@ class Checkpointer(AsyncResource):
     async def _collect(self, store: Store) -> int:
         # The packs no version there points into any more (nor a save or upload in flight).
         async with self._packs.lock:
-            versions = [
-                (v.key, v.size, v.mtime)
-                for v in await self._list_store(store)
-                if v.kind == "checkpoint"
-            ]
+
+            async def versions() -> list[tuple[str, int, float | None]]:
+                listed = await self._list_store(store)
+                return [(v.key, v.size, v.mtime) for v in listed if v.kind == "checkpoint"]
+
             return await self._packs.collect(store, versions)
 
     async def prune(
@@ -967,11 +980,13 @@ class Checkpointer(AsyncResource):
         objects of distributed saves that a later save of the same step replaced. Returns
         how many items were removed.
 
-        This checkpointer's own saves and uploads in flight are left alone, and so is a
-        local temp file whose writer is alive. S3 cannot tell a killed save's upload from a
-        live one's, nor can a pack another process is writing be told from a leftover: run
-        it when no other process saves to this run (retention after each save runs the
-        same collection of packs), and no distributed save is in flight.
+        What a save or upload of any process is still busy with is left alone: each holds a
+        *lease* (``leases/<token>.lease``, in the store it writes to) naming the versions
+        and packs it writes or points into, from before it writes anything until its
+        version commits. A lease holds while its writer may be running: on this machine
+        while its process lives, elsewhere until it has not been renewed for 5 minutes.
+        Dead leases are removed (and counted). Distributed saves take no lease: run it when
+        no distributed save is in flight.
         """
         await self._ensure_open()
         removed = 0
@@ -993,12 +1008,21 @@ class Checkpointer(AsyncResource):
                     keep = dist_layout.objects_named(metadata) | {dist_layout.METADATA}
                     removed += await dist_layout.remove_unnamed(store, version.key, keep)
             if isinstance(store, CleansUpWrites):
+                # The writes first, then the leases: a writer leases its keys before it
+                # starts writing them, so a write in the listing of a live writer is leased.
+                version_writes = await store.abandoned_writes(PREFIX)
+                pack_writes = await store.abandoned_writes(PACKS)
+                leased, dead = await live_keys(store)
+                removed += dead
                 busy = self._saving if store is self._store else self._uploading()
-                for key in await store.abandoned_writes(PREFIX):
-                    if is_version_key(key) and key not in busy:
+                for key in version_writes:
+                    if is_version_key(key) and key not in busy | leased:
                         removed += await store.clean_up_writes(key)
-                for key in await store.abandoned_writes(PACKS):
-                    if PACK_NAME.match(key) and key not in self._packs.pinned(store):
+                for key in pack_writes:
+                    if PACK_NAME.match(key) and key not in self._packs.pinned(store) | leased:
+                        removed += await store.clean_up_writes(key)
+                for key in await store.abandoned_writes(LEASES):  # a lease's own write
+                    if key.endswith(".lease"):
                         removed += await store.clean_up_writes(key)
             removed += await self._collect(store)
         return removed

@@ -21,6 +21,7 @@ import xxhash
 
 from ..errors import AsyncStoreError, IntegrityError, NotFound
 from ..stores import CheckedUploads, Store
+from ._leases import LeaseHolder
 from ._packfile import PackId
 from ._packfile import whole as pack_whole
 
@@ -229,12 +230,16 @@ class Uploader:
         info = await self.local.stat(key)
         manifest = await self._packs.manifest(self.local, key, info.size, info.mtime)
         packs = set(manifest.packs)
-        # Copied before the version that names them: pinned there until it commits.
+        # Copied before the version that names them: pinned there until it commits, and
+        # leased for other processes' collections and gc().
         self._packs.pin(self.mirror, packs)
+        lease = LeaseHolder(self.mirror, packs | {key})
         try:
+            await lease.hold()
             await copy_version(self.local, self.mirror, key, manifest.packs, manifest.pack_ids)
         finally:
             await self._packs.unpin(self.mirror, packs)
+            await lease.release()
         # Deleted here while it was copied (by another process: this one abandons its
         # uploads first)? Then the copy would bring it back: it goes too.
         try:

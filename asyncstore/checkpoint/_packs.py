@@ -14,11 +14,13 @@ import asyncio
 import collections
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 
 from ..errors import AsyncStoreError, NotFound
 from ..stores import Store
 from . import _format as fmt
 from ._codec import Known, Ref
+from ._leases import live_keys
 from ._load import read_manifest
 
 __all__ = ["PACKS", "PackBook", "pack_name"]
@@ -101,17 +103,30 @@ class PackBook:
 
     # -- collection --------------------------------------------------------------------------
 
-    async def collect(self, store: Store, versions: list[tuple[str, int, float | None]]) -> int:
-        """Delete the packs in ``store`` that no version in ``versions`` (key, size, mtime:
-        every committed version there, listed by the caller after taking :attr:`lock`) and
-        no pin points into; return how many.
+    async def collect(
+        self,
+        store: Store,
+        list_versions: Callable[[], Awaitable[list[tuple[str, int, float | None]]]],
+    ) -> int:
+        """Delete the packs in ``store`` that no committed version points into, no pin of
+        this process and no live lease of any process (see :mod:`._leases`) names; return
+        how many. Called with :attr:`lock` held.
+
+        The packs are listed first, then the leases, then the versions (``list_versions``:
+        key, size and mtime of every committed version there): a pack a save in flight
+        created is in the listing only if its lease is too, or if the version naming it
+        committed before the lease went, and is then in the versions' listing.
 
         A version whose manifest cannot be read (damaged) might point anywhere: nothing is
         collected then, with a warning.
         """
         assert self.lock.locked()
+        packs = [info.key async for info in store.list(PACKS) if fmt.PACK_NAME.match(info.key)]
+        if not packs:
+            return 0
+        leased, _ = await live_keys(store)
         reachable: set[str] = set()
-        for key, size, mtime in versions:
+        for key, size, mtime in await list_versions():
             try:
                 manifest = await self.manifest(store, key, size, mtime)
             except NotFound:
@@ -126,11 +141,9 @@ class PackBook:
                 return 0
             reachable.update(manifest.packs)
         removed = 0
-        async for info in store.list(PACKS):
-            if not fmt.PACK_NAME.match(info.key) or info.key in reachable:
-                continue
-            if info.key in self.pinned(store):
-                continue
-            await store.delete(info.key)
-            removed += 1
+        keep = reachable | leased | self.pinned(store)
+        for pack in packs:
+            if pack not in keep:
+                await store.delete(pack)
+                removed += 1
         return removed
