@@ -42,11 +42,11 @@ def hold_upload_of(
     started, release = asyncio.Event(), asyncio.Event()
     real = _mirror.copy_object
 
-    async def held(source: Any, target: Any, name: str) -> int:
+    async def held(source: Any, target: Any, name: str, as_name: str | None = None) -> int:
         if name != key or release.is_set():
-            return await real(source, target, name)
+            return await real(source, target, name, as_name)
         if after:
-            copied = await real(source, target, name)
+            copied = await real(source, target, name, as_name)
             started.set()
             await release.wait()
             return copied

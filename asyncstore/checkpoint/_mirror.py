@@ -55,13 +55,18 @@ async def copy_version(
     key: str,
     packs: list[str],
     ids: list[tuple[int, int]] | None = None,
+    *,
+    name: str | None = None,
+    force: bool = False,
 ) -> int:
     """Copy the version ``key`` and the ``packs`` it points into from ``source`` to
-    ``target``, each checked; return the bytes copied.
+    ``target`` (the version as ``name``, by default ``key``; packs keep their keys, which
+    are relative to the version's directory), each checked; return the bytes copied.
 
     A pack the target holds already is not copied again when it is the one the version
     recorded (``ids``, the manifest's ``pack_ids``: size and index checksum); a pack of an
-    earlier release, which has no identity, when its size matches.
+    earlier release, which has no identity, when its size matches. ``force`` copies every
+    pack (to repair a target whose pack failed its checks further in).
 
     Raises:
         NotFound: ``key`` or a pack is no longer in ``source`` (deleted meanwhile).
@@ -72,7 +77,9 @@ async def copy_version(
     recorded = dict(zip(packs, ids or [], strict=False))
     for pack in packs:
         expected = recorded.get(pack)
-        if expected is not None:
+        if force:
+            pass
+        elif expected is not None:
             if await pack_whole(target, pack, PackId(*expected)) is None:
                 continue
         else:
@@ -83,12 +90,12 @@ async def copy_version(
             except NotFound:
                 pass
         copied += await copy_object(source, target, pack)
-    return copied + await copy_object(source, target, key)
+    return copied + await copy_object(source, target, key, name)
 
 
-async def copy_object(source: Store, target: Store, key: str) -> int:
-    """Copy the object ``key`` from ``source`` to ``target`` and check the copy; return its
-    size.
+async def copy_object(source: Store, target: Store, key: str, name: str | None = None) -> int:
+    """Copy the object ``key`` from ``source`` to ``target`` (as ``name``, by default
+    ``key``) and check the copy; return its size.
 
     The target's writer makes the copy appear whole or not at all. Where the target can
     tell (an S3 ETag that is an MD5 of the parts, see :class:`CheckedUploads`), the MD5 of
@@ -100,9 +107,10 @@ async def copy_object(source: Store, target: Store, key: str) -> int:
         IntegrityError: the copy read back differs; it was deleted from ``target``.
         StoreUnavailable, StoreError: a store failed.
     """
+    name = key if name is None else name
     sent = xxhash.xxh3_64()
     size = 0
-    writer = target.open_writer(key)
+    writer = target.open_writer(name)
     checked = writer if isinstance(writer, CheckedUploads) else None
     if checked is not None:
         checked.track_md5()
@@ -116,21 +124,21 @@ async def copy_object(source: Store, target: Store, key: str) -> int:
         if matches:
             return size  # the server stored exactly the bytes sent
         if matches is False:
-            await target.delete(key)
+            await target.delete(name)
             raise IntegrityError(
-                f"{target.url}/{key}: the mirror's ETag is not the MD5 of the bytes sent "
+                f"{target.url}/{name}: the mirror's ETag is not the MD5 of the bytes sent "
                 f"from {source.url}/{key}; it was deleted and is uploaded again"
             )
     back = xxhash.xxh3_64()
     read = 0
-    async with target.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader:
+    async with target.open_reader(name, chunk_bytes=COPY_CHUNK_BYTES) as reader:
         async for chunk in reader:
             back.update(chunk)
             read += len(chunk)
     if read != size or back.intdigest() != sent.intdigest():
-        await target.delete(key)
+        await target.delete(name)
         raise IntegrityError(
-            f"{target.url}/{key}: the copy read back differs from {source.url}/{key} "
+            f"{target.url}/{name}: the copy read back differs from {source.url}/{key} "
             f"({read} bytes against {size}); it was deleted and is uploaded again"
         )
     return size

@@ -6,13 +6,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from typing import Any, cast
+import sys
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from ..stores import Store, open_store
 from ..stores._open import is_local, local_path
 from ._common import add_json, emit, progress
+
+if TYPE_CHECKING:
+    from ..checkpoint import Manifest
+
 from ._runs import (
     _local_kind,
     add_step,
@@ -79,75 +84,95 @@ async def _holds_objects(url: str, options: dict[str, Any]) -> bool:
     return False
 
 
-class _Named:
-    """The source store, with its checkpoint object ``key`` read under ``name``, the name
-    it gets at the destination: the copy then writes ``name`` there. Packs keep their keys
-    (``packs/...``, relative to the checkpoint's directory, whatever its name)."""
-
-    def __init__(self, store: Store, key: str, name: str) -> None:
-        self._store, self._key, self._name = store, key, name
-
-    def _source_key(self, key: str) -> str:
-        return self._key if key == self._name else key
-
-    async def stat(self, key: str) -> Any:
-        return await self._store.stat(self._source_key(key))
-
-    def open_reader(self, key: str, *args: Any, **kwargs: Any) -> Any:
-        return self._store.open_reader(self._source_key(key), *args, **kwargs)
-
-    def __getattr__(self, attribute: str) -> Any:
-        return getattr(self._store, attribute)
-
-
-async def _copy(source: Store, target: Store, keys: list[str], packs: list[str]) -> tuple[int, int]:
+async def _copy(
+    source: Store,
+    target: Store,
+    keys: list[tuple[str, str]],
+    manifest: Manifest | None,
+    *,
+    force: bool = False,
+) -> tuple[int, int]:
+    # ``keys``: (key in source, name in target). With ``manifest``, a differential
+    # version's packs go first (those the destination lacks, by identity), the version
+    # last: the destination never holds a version whose packs are not all there.
     from ..checkpoint._mirror import copy_object, copy_version
 
-    sizes = [(await source.stat(key)).size for key in [*packs, *keys]]
+    packs = [] if manifest is None else manifest.packs
+    sizes = [(await source.stat(key)).size for key in [*packs, *(k for k, _ in keys)]]
     copied = 0
     with progress(sum(sizes), "copying") as bar:
-        if packs:
-            # Packs first (those the destination lacks), the version last: the
-            # destination never holds a version whose packs are not all there.
-            copied += await copy_version(source, target, keys[0], packs)
+        if manifest is not None and packs:
+            (key, name), keys = keys[0], keys[1:]
+            copied += await copy_version(
+                source, target, key, packs, manifest.pack_ids, name=name, force=force
+            )
             bar.update(sum(sizes[: len(packs) + 1]))
-            keys = keys[1:]
-        for key in keys:
-            size = await copy_object(source, target, key)
+        for key, name in keys:
+            size = await copy_object(source, target, key, name)
             copied += size
             bar.update(size)
     return copied, len(sizes)
 
 
+async def _copy_verified(source: Store, key: str, target: Store, name: str) -> tuple[int, int]:
+    # The source is verified before anything is written: a damaged source never replaces
+    # a good destination. Each object then replaces its destination whole (the writers
+    # commit atomically), and the copy is verified where it landed; a destination pack
+    # that passed its identity check but fails further in is copied again, once.
+    from ..checkpoint import read_manifest, verify
+    from ..errors import IntegrityError
+
+    try:
+        await verify((source, key))
+    except IntegrityError as exc:
+        raise IntegrityError(
+            f"{source.url}/{key} does not verify ({exc}): nothing was copied; copy another "
+            "version, or repair the source first"
+        ) from None
+    manifest = await read_manifest((source, key))
+    copied, count = await _copy(source, target, [(key, name)], manifest)
+    try:
+        await verify((target, name))
+    except IntegrityError as exc:
+        print(
+            f"asyncstore: {target.url}/{name} does not verify after the copy ({exc}); "
+            "copying every object again",
+            file=sys.stderr,
+        )
+        copied, count = await _copy(source, target, [(key, name)], manifest, force=True)
+        await verify((target, name))
+    return copied, count
+
+
 async def _cp(
     src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any], step: int | None
 ) -> Copied:
-    from ..checkpoint import Checkpointer, read_manifest, verify
+    from ..checkpoint import Checkpointer
     from ..checkpoint._distributed import METADATA
 
     located = await locate(src, options, step)
     if located.kind == "object":
         source_dir, key = _split(src)
         target_dir, name = await _destination(dst, key, dst_options)
-        async with open_store(source_dir, **options) as source:
-            manifest = await read_manifest((source, key))
-            named = source if name == key else cast(Store, _Named(source, key, name))
-            async with open_store(target_dir, **dst_options) as target:
-                copied, count = await _copy(named, target, [name], manifest.packs)
-                await verify((target, name))
-                return Copied(src, f"{target.url}/{name}", copied, count, True)
+        async with (
+            open_store(source_dir, **options) as source,
+            open_store(target_dir, **dst_options) as target,
+        ):
+            copied, count = await _copy_verified(source, key, target, name)
+            return Copied(src, f"{target.url}/{name}", copied, count, True)
     if step is None:
         raise _need_step(src, located.versions)
     version = located.versions[0]
+    if version.kind == "dcp":  # verified before anything is written
+        async with Checkpointer(src, store_options=options) as checkpointer:
+            await checkpointer.verify(version.step, raise_on_error=True)
     async with open_store(src, **options) as source, open_store(dst, **dst_options) as target:
         if version.kind == "checkpoint":
-            manifest = await read_manifest((source, version.key))
-            copied, count = await _copy(source, target, [version.key], manifest.packs)
-            await verify((target, version.key))
+            copied, count = await _copy_verified(source, version.key, target, version.key)
         else:
             keys = sorted([i.key async for i in source.list(version.key)])
             keys.sort(key=lambda k: k.endswith(METADATA))  # .metadata last: the commit
-            copied, count = await _copy(source, target, keys, [])
+            copied, count = await _copy(source, target, [(k, k) for k in keys], None)
         url = target.url
     if version.kind == "dcp":
         async with Checkpointer(dst, store_options=dst_options) as checkpointer:
