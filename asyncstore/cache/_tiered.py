@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import os
 import sqlite3
-import tempfile
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Literal, TypeVar
@@ -28,8 +26,9 @@ import anyio
 
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
 from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
+from .._dirs import check_disk_dir
 from .._resource import AsyncResource
-from ..errors import IntegrityError, InvalidArgument, PermissionDenied, StoreClosed
+from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores._base import Store
 from ..stores._keys import check_key, check_range
 from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
@@ -53,61 +52,6 @@ a store busy, and bounds the empty reads past an object's end a too-long range c
 
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
-
-# What makes a disk tier's directory unusable for good: the path, or this process's rights
-# over it, which no retry changes. Other errors (a read-only or full file system, an I/O
-# error) are faults of the device, which the tier survives by switching itself off.
-_NOT_PERMITTED = frozenset({errno.EACCES, errno.EPERM})
-_NOT_A_DIRECTORY = frozenset(
-    {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENOENT, errno.ENAMETOOLONG, errno.ELOOP}
-)
-
-
-def check_disk_dir(path: str, parameter: str, without: str) -> OSError | None:
-    """Create the directory ``path`` if it is missing and check that this process can write
-    in it (a file created and removed), so that a wrong path is refused where it is given,
-    not later in a worker or as a tier silently off.
-
-    Args:
-        path: the directory.
-        parameter: its parameter's name, for the message (``"disk_dir"``, ``"cache_dir"``).
-        without: how to go without a disk tier, for the message.
-
-    Returns:
-        None when the directory is usable; the error when the device failed (a read-only
-        or full file system, an I/O error): the disk tier then switches itself off when it
-        opens, as it does when that happens later.
-
-    Raises:
-        PermissionDenied: this process may not create the directory or write in it.
-        InvalidArgument: the path is a file, lies under one, or cannot be made a directory.
-    """
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".asyncstore-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        choose = f"choose a directory this process can write, or {without}"
-        if exc.errno in _NOT_PERMITTED:
-            raise PermissionDenied(
-                f"{parameter}={path!r}: this process (uid {os.geteuid()}) may not write "
-                f"there ({exc.strerror}); {choose}"
-            ) from exc
-        if exc.errno == errno.EEXIST:
-            raise InvalidArgument(
-                f"{parameter}={path!r} is a file, not a directory; {choose}"
-            ) from exc
-        if exc.errno == errno.ENOTDIR:
-            raise InvalidArgument(
-                f"{parameter}={path!r}: a part of that path is a file, not a directory; {choose}"
-            ) from exc
-        if exc.errno in _NOT_A_DIRECTORY:
-            raise InvalidArgument(
-                f"{parameter}={path!r} cannot be created as a directory ({exc.strerror}); {choose}"
-            ) from exc
-        return exc
-    return None
 
 
 class TieredCache(AsyncResource):

@@ -30,9 +30,11 @@ import msgspec
 
 from .._concurrency import TaskSet
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
+from .._dirs import make_dir
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import CleansUpWrites, Store, open_store
+from ..stores._open import is_local, local_path
 from . import _distributed as dist_layout
 from . import _format as fmt
 from ._codec import Known
@@ -206,7 +208,9 @@ class Checkpointer(AsyncResource):
     and closing waits for them.
 
     Raises:
-        InvalidArgument: a bad option (named in the message).
+        InvalidArgument: a bad option (named in the message), or a local ``url`` or
+            ``mirror`` that cannot be a directory (a missing one is created).
+        PermissionDenied: this process may not create that directory.
     """
 
     _unclosed_hint = "use 'async with Checkpointer(...)' or await aclose()"
@@ -256,6 +260,16 @@ class Checkpointer(AsyncResource):
                 "the staging pool must hold at least one chunk"
             )
         self._store_options = dict(store_options or {})
+        for name, where in (("url", url), ("mirror", mirror)):
+            if where is not None and is_local(os.fspath(where)):
+                # A run's directory that can never be made is refused here, by name; one
+                # that exists is left as it is (it may be read-only: listing and loading
+                # work, and a save says why it cannot write).
+                make_dir(
+                    local_path(os.fspath(where)),
+                    name,
+                    "choose a directory this process can create, or an existing run",
+                )
         self._store: Store = open_store(os.fspath(url), **self._store_options)
         self._mirror: Store | None = (
             None if mirror is None else open_store(os.fspath(mirror), **(mirror_options or {}))

@@ -26,12 +26,12 @@ except ImportError:  # pragma: no cover - a torch without it: the check is skipp
     _IterableDatasetFetcher = None  # type: ignore[assignment,misc]
 
 from .._config import DatasetConfig, build
+from .._dirs import check_disk_dir
 from .._keyindex import KeyIndex, build_index, write_index
 from .._loop import run_sync
 from .._prefetch import Prefetcher, PrefetchStats
 from .._resource import track
 from ..cache import CacheStats, TieredCache
-from ..cache._tiered import check_disk_dir
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..stores import Store, open_store
 from ..stores._keys import check_key
