@@ -19,12 +19,11 @@ A distributed version (saved by ``torch.distributed.checkpoint`` through
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
 import weakref
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -33,21 +32,17 @@ from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
 from .._dirs import make_dir
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
-from ..stores import CleansUpWrites, Store, open_store
+from ..stores import Store, open_store
 from ..stores._open import is_local, local_path
 from . import _distributed as dist_layout
-from . import _format as fmt
-from ._codec import Known
-from ._format import PACK_NAME
 from ._handle import SaveHandle, SaveResult
-from ._leases import LEASES, LeaseHolder, live_keys
+from ._leases import LeaseHolder
 from ._load import load as _load
 from ._load import verify as _verify
 from ._mirror import Uploader
-from ._packfile import PackId
-from ._packfile import whole as pack_whole
-from ._packs import PACKS, PackBook, pack_name
-from ._retention import Candidate, newest_first, victims
+from ._packs import PackBook, pack_name
+from ._runconfig import CheckpointerConfig, CheckpointerStats, VerifyReport
+from ._runview import RunView
 from ._save import save as _save
 from ._save import save_packed
 from ._versions import (
@@ -55,114 +50,14 @@ from ._versions import (
     PREFIX,
     SAVED,
     SUFFIX,
-    Copy,
     Version,
     dcp_prefix,
-    identity,
-    in_save_order,
-    is_version_key,
-    merge,
-    saved_of,
-    scan,
     version_key,
 )
 
 __all__ = ["Checkpointer", "CheckpointerConfig", "CheckpointerStats", "Version", "VerifyReport"]
 
 logger = logging.getLogger("asyncstore.checkpoint")
-
-
-class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The options of :class:`Checkpointer`; see its docstring for each."""
-
-    keep_last: Annotated[int, msgspec.Meta(ge=1)] = 3
-    """Three: a damaged newest version still leaves two to fall back on, at three times a
-    checkpoint's size on disk."""
-
-    keep_every: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    """Nothing kept for good unless asked: long-term versions are a choice of the run."""
-
-    compression: Literal["auto", "zstd"] | None = "auto"
-    """As for :func:`asyncstore.save`."""
-
-    staging_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_STAGING_BYTES
-    """As for :func:`asyncstore.save`."""
-
-    priority: Literal["low", "normal"] = "low"
-    """As for :func:`asyncstore.save`."""
-
-    differential: bool = True
-    """On: a training run changes some tensors between saves (frozen layers, embeddings,
-    buffers), and rewriting unchanged gigabytes costs time, disk and upload bandwidth."""
-
-    chunk_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_SAVE_CHUNK_BYTES
-    """As for :func:`asyncstore.save`; also what a differential save compares: a chunk
-    whose bytes did not change is not written again."""
-
-    full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
-    """Ten: a chain of differential versions shares the chunks of its full one, so a
-    damaged pack damages up to that many versions, and a pack with one chunk still in use
-    keeps all its bytes. A full save every tenth bounds both, at about 1.9 times the bytes
-    of saving a tenth each time."""
-
-    mirror_timeout: Annotated[float, msgspec.Meta(gt=0)] = 10.0
-    """Ten seconds: a listing waits this long for a mirror that does not answer, then
-    goes on with the local versions (a resume must not hang on a stalled mirror), while a
-    healthy S3 lists a run's versions in well under a second."""
-
-    close_timeout: Annotated[float, msgspec.Meta(gt=0)] | None = 300.0
-    """Five minutes: closing waits this long for uploads still running, then abandons
-    them (they stay local; the next checkpointer on the run uploads them), so that a job
-    ends even when its mirror stalls. ``None`` waits for them however long they take."""
-
-
-class CheckpointerStats(msgspec.Struct):
-    """What a :class:`Checkpointer` did so far (a snapshot: see :meth:`Checkpointer.stats`).
-
-    Attributes:
-        saves: versions committed.
-        failed: saves that raised or were cancelled.
-        blocking_seconds: time callers waited in :meth:`~Checkpointer.save` (the snapshots),
-            summed.
-        last_blocking_seconds, last_total_seconds: the newest committed save's snapshot,
-            and its time from the call to the commit.
-        bytes_written: bytes stored by committed saves.
-        bytes_skipped: raw bytes not written again because an earlier version's pack
-            holds them (differential saves).
-        deleted: versions retention removed (from either store).
-        uploads: versions copied to the mirror and checked there.
-        upload_failures: upload attempts that failed (each is retried, with a warning).
-        last_upload_seconds: the newest upload's copy and check.
-        last_upload_lag_seconds: from the newest mirrored version's local commit to the
-            end of its upload.
-    """
-
-    saves: int = 0
-    failed: int = 0
-    blocking_seconds: float = 0.0
-    last_blocking_seconds: float = 0.0
-    last_total_seconds: float = 0.0
-    bytes_written: int = 0
-    bytes_skipped: int = 0
-    deleted: int = 0
-    uploads: int = 0
-    upload_failures: int = 0
-    last_upload_seconds: float = 0.0
-    last_upload_lag_seconds: float = 0.0
-
-
-class VerifyReport(msgspec.Struct, frozen=True):
-    """What :meth:`Checkpointer.verify` found.
-
-    Attributes:
-        step: the version checked.
-        ok: every chunk matched its checksum.
-        error: what was wrong, when not ``ok``.
-    """
-
-    step: int
-    ok: bool
-    error: str | None = None
 
 
 class Checkpointer(AsyncResource):
@@ -280,9 +175,7 @@ class Checkpointer(AsyncResource):
         self._uploader = (
             None if self._mirror is None else Uploader(self._store, self._mirror, self._packs)
         )
-        # Copies a load or verify found damaged, as (store URL, key), until saved again.
-        self._damaged: set[tuple[str, str]] = set()
-        self._noted: set[str] = set()  # what listings warned about already
+        self._view = RunView(self._store, self._mirror, self._packs, self._config.mirror_timeout)
         self._stats = CheckpointerStats()
         self._retaining = asyncio.Lock()  # one retention at a time: each sees the last's work
         # Writers of distributed versions handed out here (asyncstore.torch's dcp_writer),
@@ -354,7 +247,7 @@ class Checkpointer(AsyncResource):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
         key = version_key(step)
-        self._damaged.discard((self._store.url, key))
+        self._view.damaged.discard((self._store.url, key))
         if self._uploader is not None:
             self._uploader.renew(key)  # deleted before: this save's upload may go ahead
         options: dict[str, Any] = {
@@ -375,7 +268,7 @@ class Checkpointer(AsyncResource):
                 # retention). Pinned before the new pack exists, until the version naming
                 # them commits or the save fails.
                 async with self._packs.lock:
-                    known, ids, chain = await self._base()
+                    known, ids, chain = await self._view.base()
                     if chain >= config.full_every or not known:
                         known, ids, chain = {}, {}, 0  # a full save: a new chain starts
                     pins = {ref.pack for ref in known.values()} | {pack}
@@ -415,53 +308,6 @@ class Checkpointer(AsyncResource):
         stats.last_total_seconds = result.total_seconds
         stats.bytes_written += result.stored_bytes
         stats.bytes_skipped += result.skipped_bytes
-
-    async def _base(self) -> tuple[Known, dict[str, PackId], int]:
-        # What a differential save builds on: the chunks of the newest version here whose
-        # manifest reads, the identities of the packs they lie in, and how many
-        # differential saves since the last full one led to it. Only the newest: its chunks
-        # are the state as last saved, and packs that older chains point into can go once
-        # those versions do.
-        # Newest by when it was saved: after a rollback, the rolled-back state.
-        for version in reversed(await self._describe(await self._list_store(self._store))):
-            if version.kind == "dcp":
-                continue  # saved by every rank, not by this checkpointer: nothing to build on
-            try:
-                manifest = await self._packs.manifest(
-                    self._store, version.key, version.size, version.mtime
-                )
-            except (IntegrityError, NotFound):
-                continue  # damaged, or deleted meanwhile: build on the one before
-            chain = manifest.metadata.get(CHAIN)
-            if isinstance(chain, bool) or not isinstance(chain, int) or chain < 0:
-                return {}, {}, 0  # not a differential version of this run: start a chain
-            ids = await self._whole_packs(version.key, manifest)
-            known: Known = {}
-            self._packs.chunks_of(manifest, known)
-            return {k: ref for k, ref in known.items() if ref.pack in ids}, ids, chain + 1
-        return {}, {}, 0
-
-    async def _whole_packs(self, key: str, manifest: fmt.Manifest) -> dict[str, PackId]:
-        # The packs of ``manifest`` that are what it recorded (size and index checksum): a
-        # save points only into those. One that is missing, truncated, replaced or of an
-        # earlier release has its chunks written again, so that no version commits on top
-        # of a pack that cannot serve it.
-        recorded = dict(zip(manifest.packs, map(PackId._make, manifest.pack_ids), strict=False))
-        whole: dict[str, PackId] = {}
-        for name in manifest.packs:
-            expected = recorded.get(name)
-            reason = await pack_whole(self._store, name, expected)
-            if reason is None and expected is not None:
-                whole[name] = expected
-            elif expected is not None:  # an earlier release's pack is expected: no warning
-                logger.warning(
-                    "%s/%s: not building on its pack %s (%s); this save writes those chunks again",
-                    self._store.url,
-                    key,
-                    name,
-                    reason,
-                )
-        return whole
 
     async def _after_commit(
         self, handle: SaveHandle, step: int, key: str, pins: set[str], lease: LeaseHolder
@@ -521,81 +367,21 @@ class Checkpointer(AsyncResource):
         # then the packs no version points into. ``verify``: a version counts as loadable
         # only if every checksum verifies (prune), not only its manifest and packs.
         async with self._retaining:
-            described = await self._describe(await self._list())
-            saving = {v.step for v in described if v.key in self._saving}
-            candidates = [
-                Candidate(
-                    v.step,
-                    float(position),  # the save order (see _versions.in_save_order)
-                    v.step in saving
-                    # With a mirror, a version only here is the only copy until uploaded.
-                    or (self._mirror is not None and v.where == "local" and v.kind != "dcp"),
-                )
-                for position, v in enumerate(described)
-            ]
-            by_step = {v.step: v for v in described}
-            checked: list[Candidate] = []
-            good = 0
-            for candidate in newest_first(candidates):
-                if good < keep_last:
-                    loadable = await self._loadable(by_step[candidate.step], verify)
-                    good += loadable
-                    candidate = candidate._replace(loadable=loadable)
-                checked.append(candidate)
-            if verify and described and not good:
-                raise IntegrityError(
-                    f"no version of the run at {self._store.url} verifies (steps "
-                    f"{', '.join(str(v.step) for v in described)}): prune deleted nothing. "
-                    "Check the versions with 'asyncstore verify'; delete damaged ones by step"
-                )
-            doomed = victims(checked, keep_last, keep_every)
+            doomed = await self._view.victims(keep_last, keep_every, self._saving, verify=verify)
             if dry_run:
-                return doomed
-            for step in doomed:
-                await self._delete_everywhere(by_step[step])
+                return [version.step for version in doomed]
+            for version in doomed:
+                await self._delete_everywhere(version)
                 self._stats.deleted += 1
-            for store in self._stores():
+            for store in self._view.stores():
                 try:
-                    await self._collect(store)
+                    await self._view.collect(store)
                 except (AsyncStoreError, OSError) as exc:  # the next collection tries again
                     logger.warning("unused packs in %s stay for now (%s)", store.url, exc)
-            return doomed
-
-    async def _loadable(self, version: Version, verify: bool) -> bool:
-        # Whether some copy of ``version`` can serve a load: every checksum (``verify``), or
-        # what is cheap to check: its manifest (or .metadata) reads, and every pack it
-        # points into is the one it recorded. A copy a load found damaged is not counted.
-        for store in self._copies(version):
-            if (store.url, version.key) in self._damaged:
-                continue
-            try:
-                if version.kind == "dcp":
-                    if verify:
-                        await self._verify_distributed(store, version)
-                    else:
-                        await dist_layout.read_metadata(store, version.key)
-                elif verify:
-                    await _verify((store, version.key))
-                else:
-                    info = await store.stat(version.key)
-                    manifest = await self._packs.manifest(store, version.key, info.size, info.mtime)
-                    for name, recorded in itertools.zip_longest(manifest.packs, manifest.pack_ids):
-                        expected = None if recorded is None else PackId(*recorded)
-                        if expected is None:  # an earlier release's: there, at least
-                            await store.stat(name)
-                        elif await pack_whole(store, name, expected) is not None:
-                            raise IntegrityError(f"its pack {name} is not whole")
-            except (IntegrityError, NotFound) as exc:
-                logger.info("%s/%s does not count as loadable (%s)", store.url, version.key, exc)
-                continue
-            return True
-        return False
+            return [version.step for version in doomed]
 
     def _uploading(self) -> set[str]:
         return set() if self._uploader is None else set(self._uploader.uploading)
-
-    def _stores(self) -> list[Store]:
-        return [self._store] if self._mirror is None else [self._store, self._mirror]
 
     async def _delete_everywhere(self, version: Version) -> None:
         # Its upload stopped first (else it would bring the version back), then here, then
@@ -603,18 +389,8 @@ class Checkpointer(AsyncResource):
         # the mirror, and the next delete or retention finishes.
         if self._uploader is not None:
             await self._uploader.abandon(version.key)
-        for store in self._stores():
-            await self._delete_step(store, version.step)
-
-    async def _collect(self, store: Store) -> int:
-        # The packs no version there points into any more (nor a save or upload in flight).
-        async with self._packs.lock:
-
-            async def versions() -> list[tuple[str, int, float | None]]:
-                listed = await self._list_store(store)
-                return [(v.key, v.size, v.mtime) for v in listed if v.kind == "checkpoint"]
-
-            return await self._packs.collect(store, versions)
+        for store in self._view.stores():
+            await self._view.delete_step(store, version.step)
 
     async def prune(
         self, keep_last: int, keep_every: int | None = None, *, dry_run: bool = False
@@ -645,47 +421,16 @@ class Checkpointer(AsyncResource):
         await self._ensure_open()
         return await self._apply_policy(keep_last, keep_every, verify=True, dry_run=dry_run)
 
-    async def _delete_step(self, store: Store, step: int) -> None:
-        # Whichever way the step was saved (both, if it was saved again the other way).
-        key = version_key(step)
-        await store.delete(key)
-        self._packs.forget(store, key)
-        await dist_layout.remove_checkpoint(store, dcp_prefix(step))
-
     # -- the mirror ----------------------------------------------------------------------------
 
     async def _resume_uploads(self) -> None:
-        # The versions only here (not uploaded yet, or the mirror's copy is stale or
-        # damaged), newest first: it matters most. Each is verified first: an upload
-        # must not spread damage that happened here since the save.
+        # What the mirror lacks (not uploaded yet, or its copy stale or damaged), newest
+        # first: it matters most. No retention here: opening a run (to list or load it,
+        # perhaps with other keep_last/keep_every values) never deletes anything.
         assert self._uploader is not None
-        try:
-            versions = await self._describe(await self._list())
-        except (AsyncStoreError, OSError) as exc:
-            logger.warning("versions not uploaded yet stay local for now (%s)", exc)
-            return
-        for version in reversed(versions):
-            if (
-                version.where != "local"
-                or version.kind != "checkpoint"
-                or version.state == "damaged"
-                or version.key in self._saving
-            ):
-                continue
-            try:
-                await _verify((self._store, version.key))
-            except IntegrityError as exc:
-                self._damaged.add((self._store.url, version.key))
-                logger.warning(
-                    "%s/%s is damaged (%s); not uploading it", self._store.url, version.key, exc
-                )
-                continue
-            except NotFound:
-                continue
+        for version in await self._view.to_upload(self._saving):
             committed = time.time() if version.mtime is None else version.mtime
             await self._uploader.upload(version.key, committed)
-        # No retention here: opening a run (to list or load it, perhaps with other
-        # keep_last/keep_every values) never deletes anything.
 
     # -- what is there -------------------------------------------------------------------------
 
@@ -696,99 +441,7 @@ class Checkpointer(AsyncResource):
         (``Version.where`` says which holds it). Reads each version's manifest once (for
         its sizes, state and save time), from the local copy where there is one."""
         await self._ensure_open()
-        return await self._describe(await self._list())
-
-    async def _describe(self, listed: list[Version]) -> list[Version]:
-        described = []
-        for version in listed:
-            store = self._copies(version)[0]
-            state = version.state
-            if (store.url, version.key) in self._damaged:
-                state = "damaged"
-            if version.kind == "dcp":
-                described.append(
-                    msgspec.structs.replace(version, state=state, stored_bytes=version.size)
-                )
-                continue
-            try:
-                manifest = await self._packs.manifest(
-                    store, version.key, version.size, version.mtime
-                )
-            except NotFound:
-                continue  # deleted since it was listed
-            except IntegrityError:
-                described.append(msgspec.structs.replace(version, state="damaged"))
-                continue
-            saved = saved_of(manifest)
-            described.append(
-                msgspec.structs.replace(
-                    version,
-                    state=state,
-                    raw_bytes=manifest.raw_bytes,
-                    stored_bytes=manifest.stored_bytes,
-                    saved=saved,
-                )
-            )
-        return in_save_order(described)
-
-    async def _list(self) -> list[Version]:
-        # The run's versions, by step: with a mirror, each step served by the copies
-        # that agree (see _versions.merge).
-        local = await self._list_store(self._store)
-        if self._mirror is None:
-            return local
-        here = await self._weigh(self._store, local)
-        try:
-            async with asyncio.timeout(self._config.mirror_timeout):
-                there = await self._weigh(self._mirror, await self._list_store(self._mirror))
-        except TimeoutError:
-            logger.warning(
-                "the mirror %s did not answer within %.1f s; listing the local versions only",
-                self._mirror.url,
-                self._config.mirror_timeout,
-            )
-            there = {}
-        except (AsyncStoreError, OSError) as exc:
-            # A resume must not depend on the mirror: the local versions are listed alone.
-            logger.warning(
-                "the mirror %s cannot be listed (%s); listing the local versions only",
-                self._mirror.url,
-                exc,
-            )
-            there = {}
-        merged, notes = merge(here, there)
-        for note in notes:
-            if note not in self._noted:  # once per process, not at every listing
-                self._noted.add(note)
-                logger.warning("%s (mirror %s): %s", self._store.url, self._mirror.url, note)
-        return merged
-
-    async def _weigh(self, store: Store, versions: list[Version]) -> dict[int, Copy]:
-        # Each version's identity and save time in ``store``, from its manifest (read once
-        # per process; None when it does not read). Deleted meanwhile: left out.
-        copies = {}
-        for version in versions:
-            fallback = version.saved or version.mtime or 0.0
-            if version.kind == "dcp":
-                copies[version.step] = Copy(version, None, fallback)
-                continue
-            try:
-                manifest = await self._packs.manifest(
-                    store, version.key, version.size, version.mtime
-                )
-            except NotFound:
-                continue
-            except IntegrityError:
-                copies[version.step] = Copy(version, None, fallback)
-                continue
-            copies[version.step] = Copy(version, identity(manifest), saved_of(manifest))
-        return copies
-
-    async def _list_store(self, store: Store) -> list[Version]:
-        return (await self._scan(store))[0]
-
-    async def _scan(self, store: Store) -> tuple[list[Version], list[int]]:
-        return await scan(store)
+        return await self._view.describe(await self._view.listing())
 
     async def latest(self) -> Version | None:
         """The newest committed version (not verified), or ``None`` when there is none."""
@@ -809,12 +462,12 @@ class Checkpointer(AsyncResource):
             # Its upload stops first and does not start again: it would bring it back.
             await self._uploader.abandon(key)
         found = False
-        for store in self._stores():
-            if not any(v.step == step for v in await self._list_store(store)):
+        for store in self._view.stores():
+            if not any(v.step == step for v in await self._view.list_store(store)):
                 continue
             found = True
-            await self._delete_step(store, step)
-            await self._collect(store)
+            await self._view.delete_step(store, step)
+            await self._view.collect(store)
         if not found:
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
 
@@ -822,37 +475,6 @@ class Checkpointer(AsyncResource):
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise InvalidArgument(f"step={step!r}: pass a version's step, an int >= 0")
         return step
-
-    def _copies(self, version: Version) -> list[Store]:
-        # Where to read a version from: the local copy first.
-        stores: list[Store] = []
-        if version.where in ("local", "both"):
-            stores.append(self._store)
-        if self._mirror is not None and version.where in ("mirror", "both"):
-            stores.append(self._mirror)
-        return stores
-
-    async def _load_version(self, version: Version, options: dict[str, Any]) -> Any:
-        if version.kind == "dcp":
-            raise InvalidArgument(
-                f"step {version.step} ({self._store.url}/{version.key}) is a distributed "
-                "checkpoint: load it on every rank with torch.distributed.checkpoint.load("
-                f"state, storage_reader=checkpointer.dcp_reader({version.step}))"
-            )
-        error: Exception | None = None
-        copies = self._copies(version)
-        for store in copies:
-            try:
-                return await _load((store, version.key), **options)
-            except (IntegrityError, NotFound) as exc:
-                # NotFound: deleted by another process's retention since it was listed.
-                if isinstance(exc, IntegrityError):
-                    self._damaged.add((store.url, version.key))
-                if len(copies) > 1:
-                    logger.warning("%s/%s does not load (%s)", store.url, version.key, exc)
-                error = exc
-        assert error is not None
-        raise error
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -886,19 +508,20 @@ class Checkpointer(AsyncResource):
         await self._ensure_open()
         options = {"map_location": map_location, "keys": keys, "into": into}
         if step is not None:
-            versions = await self._list()  # the listing only: the load reads its manifest
+            versions = await self._view.listing()  # the listing only: the load reads its manifest
             key = version_key(self._check_step(step))
             for version in versions:
                 if version.step == step:
-                    return await self._load_version(version, options)
+                    return await self._view.load_version(version, options)
             return await _load((self._store, key), **options)  # NotFound, naming it
-        versions = await self._describe(await self._list())  # in the order they were saved
+        # In the order they were saved: the newest last.
+        versions = await self._view.describe(await self._view.listing())
         if not versions:
             raise NotFound(f"{self._store.url} holds no checkpoint versions ({PREFIX}*{SUFFIX})")
         failures: list[str] = []
         for version in reversed(versions):
             try:
-                return await self._load_version(version, options)
+                return await self._view.load_version(version, options)
             except (IntegrityError, NotFound) as exc:
                 if strict:
                     raise IntegrityError(
@@ -926,38 +549,22 @@ class Checkpointer(AsyncResource):
         """
         key = version_key(self._check_step(step))
         await self._ensure_open()
-        version = next((v for v in await self._list() if v.step == step), None)
+        version = next((v for v in await self._view.listing() if v.step == step), None)
         if version is None:
             raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
-        for store in self._copies(version):
+        for store in self._view.copies(version):
             try:
                 if version.kind == "dcp":
-                    await self._verify_distributed(store, version)
+                    await self._view.verify_distributed(store, version)
                 else:
                     await _verify((store, key))
             except IntegrityError as exc:
-                self._damaged.add((store.url, version.key))
+                self._view.damaged.add((store.url, version.key))
                 if raise_on_error:
                     raise
                 return VerifyReport(step, False, str(exc))
-            self._damaged.discard((store.url, version.key))
+            self._view.damaged.discard((store.url, version.key))
         return VerifyReport(step, True)
-
-    async def _verify_distributed(self, store: Store, version: Version) -> None:
-        metadata = await dist_layout.read_metadata(store, version.key)
-        for name in sorted(dist_layout.objects_named(metadata)):
-            if not dist_layout.RANK_OBJECT.match(name):
-                raise IntegrityError(
-                    f"{store.url}/{version.key}{dist_layout.METADATA} names {name!r}, "
-                    "which is not a rank's object"
-                )
-            try:
-                await _verify((store, version.key + name))
-            except NotFound:
-                raise IntegrityError(
-                    f"{store.url}/{version.key}{name} is missing: the distributed version "
-                    f"of step {version.step} lost a rank's shards"
-                ) from None
 
     # -- distributed versions ------------------------------------------------------------------
 
@@ -966,7 +573,7 @@ class Checkpointer(AsyncResource):
 
     def _dcp_damaged(self, step: int) -> None:
         # A load found the distributed version of ``step`` damaged: listings say so.
-        self._damaged.add((self._store.url, dcp_prefix(step)))
+        self._view.damaged.add((self._store.url, dcp_prefix(step)))
 
     def _dcp_writing(self) -> set[int]:
         # Steps that writers of this process are still saving (not committed, not dropped).
@@ -979,7 +586,7 @@ class Checkpointer(AsyncResource):
         key = version_key(step)
         await self._store.delete(key)
         self._packs.forget(self._store, key)
-        _, unfinished = await self._scan(self._store)
+        _, unfinished = await self._view.scan(self._store)
         writing = self._dcp_writing()
         for earlier in unfinished:
             if earlier < step and earlier not in writing:
@@ -1003,40 +610,10 @@ class Checkpointer(AsyncResource):
         no distributed save is in flight.
         """
         await self._ensure_open()
-        removed = 0
-        for store in (self._store, self._mirror):
-            if store is None:
-                continue
-            versions, unfinished = await self._scan(store)
-            writing = self._dcp_writing()
-            for step in unfinished:  # distributed saves that did not complete
-                if step not in writing:
-                    removed += await dist_layout.remove_unnamed(store, dcp_prefix(step), set())
-            for version in versions:
-                if version.kind == "dcp" and version.step not in writing:
-                    # The rank objects of saves it replaced, or that were killed.
-                    try:
-                        metadata = await dist_layout.read_metadata(store, version.key)
-                    except (IntegrityError, NotFound):
-                        continue  # damaged, or deleted meanwhile: left as it is
-                    keep = dist_layout.objects_named(metadata) | {dist_layout.METADATA}
-                    removed += await dist_layout.remove_unnamed(store, version.key, keep)
-            if isinstance(store, CleansUpWrites):
-                # The writes first, then the leases: a writer leases its keys before it
-                # starts writing them, so a write in the listing of a live writer is leased.
-                version_writes = await store.abandoned_writes(PREFIX)
-                pack_writes = await store.abandoned_writes(PACKS)
-                leased, dead = await live_keys(store)
-                removed += dead
-                busy = self._saving if store is self._store else self._uploading()
-                for key in version_writes:
-                    if is_version_key(key) and key not in busy | leased:
-                        removed += await store.clean_up_writes(key)
-                for key in pack_writes:
-                    if PACK_NAME.match(key) and key not in self._packs.pinned(store) | leased:
-                        removed += await store.clean_up_writes(key)
-                for key in await store.abandoned_writes(LEASES):  # a lease's own write
-                    if key.endswith(".lease"):
-                        removed += await store.clean_up_writes(key)
-            removed += await self._collect(store)
-        return removed
+        return await self._view.remove_leftovers(
+            {
+                self._store.url: set(self._saving),
+                **({} if self._mirror is None else {self._mirror.url: self._uploading()}),
+            },
+            self._dcp_writing(),
+        )
