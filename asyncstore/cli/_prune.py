@@ -38,9 +38,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     prune = commands.add_parser(
         "prune",
         help="delete the versions of a run that a retention policy does not keep",
-        description="Keep the --keep-last newest versions of the run at URL, and every "
-        "version whose step is a multiple of --keep-every; delete the others, then the packs "
-        "no version points into any more. Run it when no process is saving to the run.",
+        description="Keep the newest versions of the run at URL back to the --keep-last-th "
+        "one that verifies, and every version whose step is a multiple of --keep-every; "
+        "delete the others, then the packs no version points into any more. Nothing is "
+        "deleted when no version verifies.",
     )
     prune.add_argument("url", help="a run (a URL holding step-* versions)")
     prune.add_argument(
