@@ -61,7 +61,8 @@ def open_record(path: str, offset: int, size: int, key: str) -> int | None:
     damage, not a short read.
 
     Raises:
-        IntegrityError: the record runs past the end of the segment.
+        IntegrityError: the record lies outside the segment (past its end, or at a
+            negative offset or size: a damaged or crafted index).
     """
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -72,11 +73,11 @@ def open_record(path: str, offset: int, size: int, key: str) -> int | None:
     except BaseException:
         os.close(fd)
         raise
-    if offset + size > length:
+    if offset < 0 or size < 0 or offset + size > length:
         os.close(fd)
         raise IntegrityError(
-            f"cache entry for {key!r} runs past the end of its segment ({offset + size} "
-            f"of {length} bytes)"
+            f"cache entry for {key!r} lies outside its segment (bytes {offset}+{size} of "
+            f"{length})"
         )
     return fd
 
