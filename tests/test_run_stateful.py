@@ -160,7 +160,7 @@ class RunMachine(RuleBasedStateMachine):
 
 
 def run_machine(url: str, options: dict[str, Any] | None, examples: int) -> None:
-    machine = type("Run", (RunMachine,), {"url": url, "options": options})
+    machine: type[RunMachine] = type("Run", (RunMachine,), {"url": url, "options": options})
     case = machine.TestCase
     case.settings = settings(
         max_examples=examples,
