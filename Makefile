@@ -3,7 +3,11 @@
 #   make test   set everything up, then run the linters, the type checker and the test suite
 # Both are safe to run again: the set-up is redone only when its inputs change.
 
-PYTHON ?= python3
+# The Python a fresh machine has: the system's python3 (Debian 12: 3.11.2) ahead of any
+# pyenv or other shim on PATH, so that CI runs what users run; any python3 >= 3.11 else.
+PYTHON ?= $(shell for p in /usr/bin/python3 python3; do \
+	$$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && { echo $$p; break; }; \
+	done)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -819,3 +820,49 @@ def test_a_view_is_saved_without_the_storage_around_it(tmp_path: Path) -> None:
     assert torch.equal(back["w"], big[5:7])
     with pytest.raises(InvalidArgument, match="checkpoint_id="):
         StorageWriter("/")
+
+
+def test_metadata_of_python_3_11_early_enum_pickles_loads_and_getattr_stays_refused(
+    tmp_path: Path,
+) -> None:
+    # Python 3.11.0-3.11.3 pickle an enum member as getattr(cls, name): what Debian 12's
+    # python3 (3.11.2) writes into every .metadata. Reproduced here whatever this
+    # interpreter's own form is, with a pickler that writes enums that way.
+    import enum
+    import io
+
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    from asyncstore.checkpoint._distributed import MAGIC, decode_metadata
+    from asyncstore.torch import Checkpointer
+
+    run = tmp_path / "run"
+    with Checkpointer(run) as ckpt:
+        state_dict_saver.save(small(1), storage_writer=ckpt.dcp_writer(1))
+    metadata = decode_metadata((run / "step-000000001.dcp" / ".metadata").read_bytes(), "m")
+
+    def framed(value: Any, swap: Any) -> bytes:
+        class EarlyPickler(pickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, enum.Enum) and not isinstance(obj, torch.dtype):
+                    return swap(obj)
+                return NotImplemented
+
+        out = io.BytesIO()
+        EarlyPickler(out, protocol=4).dump(value)
+        body = out.getvalue()
+        return MAGIC + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little") + body
+
+    early = framed(metadata, lambda member: (getattr, (type(member), member.name)))
+    assert b"getattr" in early
+    assert decode_metadata(early, "m") == metadata
+    for target, name in (
+        (None, "__class__"),  # the enum's class, but not one of its members
+        (None, "mro"),
+        (TensorProperties, "__init__"),  # a class the metadata holds, but no enum
+    ):
+        crafted = framed(
+            metadata, lambda member, t=target, n=name: (getattr, (t or type(member), n))
+        )
+        with pytest.raises(IntegrityError, match="not a member of a DCP metadata enum"):
+            decode_metadata(crafted, "m")

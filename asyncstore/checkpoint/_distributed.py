@@ -20,6 +20,7 @@ its checksum.
 
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 import re
@@ -93,12 +94,32 @@ class _MetadataUnpickler(BoundedUnpickler):
             import collections
 
             value = collections.OrderedDict
+        elif module == "builtins" and name == "getattr":
+            # Python 3.11.0-3.11.3 pickle an enum member as getattr(cls, name): taken for
+            # the metadata's own enums only, never as getattr in general.
+            value = self._enum_member
         if value is None:
             raise IntegrityError(
                 f"{self._where} names {module}.{name}, which DCP metadata does not hold: "
                 "it was not written by asyncstore.torch.dcp; refusing to build it"
             )
         return value
+
+
+    def _enum_member(self, cls: object, name: object) -> Any:
+        if not (
+            isinstance(cls, type)
+            and issubclass(cls, enum.Enum)
+            and cls.__module__ == "torch.distributed.checkpoint.metadata"
+            and isinstance(name, str)
+            and name in cls.__members__
+        ):
+            raise IntegrityError(
+                f"{self._where} asks for getattr({cls!r:.80}, {name!r:.80}), which is not a "
+                "member of a DCP metadata enum: it was not written by asyncstore.torch.dcp; "
+                "refusing to build it"
+            )
+        return cls[name]
 
 
 def decode_metadata(data: bytes, where: str) -> Metadata:
