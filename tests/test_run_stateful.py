@@ -1,5 +1,5 @@
-"""A run driven by random sequences of saves (rollbacks among them), deletes, damage and
-looks with other settings, against a model of what must be there.
+"""A run driven by random sequences of saves (rollbacks among them), deletes, prunes,
+damage and looks with other settings, against a model of what must be there.
 
 The model's rules are the documented ones: the newest version is the one saved last;
 retention runs only after a save, and keeps the window back to the ``keep_last``-th
@@ -73,12 +73,12 @@ class RunMachine(RuleBasedStateMachine):
             keyed.append((before if step in self.damaged else position[step], step))
         return [step for _, step in sorted(keyed)]
 
-    def retain(self) -> None:
-        # The window back to the KEEP_LAST-th loadable version, newest first; the rest go.
+    def retain(self, keep_last: int = KEEP_LAST) -> None:
+        # The window back to the keep_last-th loadable version, newest first; the rest go.
         newest_first = list(reversed(self.listed_order()))
         good = 0
         for index, step in enumerate(newest_first):
-            if good == KEEP_LAST:
+            if good == keep_last:
                 for gone in newest_first[index:]:
                     self.forget(gone)
                 return
@@ -126,6 +126,17 @@ class RunMachine(RuleBasedStateMachine):
 
         anyio.run(cut)
         self.damaged.add(step)
+
+    @rule(keep_last=st.integers(1, 3))
+    def prune(self, keep_last: int) -> None:
+        # Counts versions that verify; refuses, deleting nothing, when none does.
+        with self.checkpointer() as ckpt:
+            if self.saved and not set(self.saved) - self.damaged:
+                with pytest.raises(asyncstore.IntegrityError, match="deleted nothing"):
+                    ckpt.prune(keep_last)
+                return
+            ckpt.prune(keep_last)
+        self.retain(keep_last)
 
     @rule(keep_last=st.integers(1, 3))
     def look_with_other_settings(self, keep_last: int) -> None:
