@@ -76,8 +76,7 @@ def open_record(path: str, offset: int, size: int, key: str) -> int | None:
     if offset < 0 or size < 0 or offset + size > length:
         os.close(fd)
         raise IntegrityError(
-            f"cache entry for {key!r} lies outside its segment (bytes {offset}+{size} of "
-            f"{length})"
+            f"cache entry for {key!r} lies outside its segment (bytes {offset}+{size} of {length})"
         )
     return fd
 

@@ -105,7 +105,6 @@ class _MetadataUnpickler(BoundedUnpickler):
             )
         return value
 
-
     def _enum_member(self, cls: object, name: object) -> Any:
         if not (
             isinstance(cls, type)
