@@ -236,7 +236,7 @@ class Uploader:
 
     async def _copy(self, key: str) -> None:
         info = await self.local.stat(key)
-        manifest = await self._packs.manifest(self.local, key, info.size, info.mtime)
+        manifest = await self._packs.manifest(self.local, key, info.size, (info.mtime, info.etag))
         packs = set(manifest.packs)
         # Copied before the version that names them: pinned there until it commits, and
         # leased for other processes' collections and gc().

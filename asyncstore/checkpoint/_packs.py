@@ -14,7 +14,7 @@ import asyncio
 import collections
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 
 from ..errors import AsyncStoreError, NotFound
 from ..stores import Store
@@ -42,23 +42,22 @@ class PackBook:
     packs hold, and pins on packs that saves and uploads in flight will point into."""
 
     def __init__(self) -> None:
-        # By store, key, size and mtime: a version saved again is read again.
-        self._manifests: dict[tuple[str, str, int, float | None], fmt.Manifest] = {}
+        # By store, key, size and stamp (mtime, ETag): a version saved again is read again.
+        self._manifests: dict[tuple[str, str, int, Hashable], fmt.Manifest] = {}
         self._pins: dict[str, collections.Counter[str]] = {}
         # Held while a collection decides and deletes, and to drop a pin: a version that
         # commits meanwhile keeps its packs pinned until the collection has finished.
         self.lock = asyncio.Lock()
 
-    async def manifest(
-        self, store: Store, key: str, size: int, mtime: float | None
-    ) -> fmt.Manifest:
-        """The verified manifest of the version ``key``.
+    async def manifest(self, store: Store, key: str, size: int, stamp: Hashable) -> fmt.Manifest:
+        """The verified manifest of the version ``key``, cached by its size and ``stamp``
+        (what tells one object under ``key`` from another: mtime and ETag).
 
         Raises:
             IntegrityError: it is damaged.
             NotFound: it was deleted meanwhile.
         """
-        cache_key = (store.url, key, size, mtime)
+        cache_key = (store.url, key, size, stamp)
         manifest = self._manifests.get(cache_key)
         if manifest is None:
             manifest = await read_manifest((store, key))
@@ -106,14 +105,14 @@ class PackBook:
     async def collect(
         self,
         store: Store,
-        list_versions: Callable[[], Awaitable[list[tuple[str, int, float | None]]]],
+        list_versions: Callable[[], Awaitable[list[tuple[str, int, Hashable]]]],
     ) -> int:
         """Delete the packs in ``store`` that no committed version points into, no pin of
         this process and no live lease of any process (see :mod:`._leases`) names; return
         how many. Called with :attr:`lock` held.
 
         The packs are listed first, then the leases, then the versions (``list_versions``:
-        key, size and mtime of every committed version there): a pack a save in flight
+        key, size and stamp of every committed version there): a pack a save in flight
         created is in the listing only if its lease is too, or if the version naming it
         committed before the lease went, and is then in the versions' listing.
 
@@ -126,9 +125,9 @@ class PackBook:
             return 0
         leased, _ = await live_keys(store)
         reachable: set[str] = set()
-        for key, size, mtime in await list_versions():
+        for key, size, stamp in await list_versions():
             try:
-                manifest = await self.manifest(store, key, size, mtime)
+                manifest = await self.manifest(store, key, size, stamp)
             except NotFound:
                 continue  # deleted meanwhile: it points nowhere now
             except AsyncStoreError as exc:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Hashable
 from typing import Any
 
 import msgspec
@@ -124,7 +125,7 @@ class RunView:
                 continue
             try:
                 manifest = await self.packs.manifest(
-                    store, version.key, version.size, version.mtime
+                    store, version.key, version.size, version.stamp
                 )
             except NotFound:
                 continue
@@ -148,7 +149,7 @@ class RunView:
                 continue
             try:
                 manifest = await self.packs.manifest(
-                    store, version.key, version.size, version.mtime
+                    store, version.key, version.size, version.stamp
                 )
             except NotFound:
                 continue  # deleted since it was listed
@@ -180,7 +181,7 @@ class RunView:
                 continue  # saved by every rank, not by this checkpointer: nothing to build on
             try:
                 manifest = await self.packs.manifest(
-                    self.store, version.key, version.size, version.mtime
+                    self.store, version.key, version.size, version.stamp
                 )
             except (IntegrityError, NotFound):
                 continue  # damaged, or deleted meanwhile: build on the one before
@@ -325,7 +326,9 @@ class RunView:
                     await _verify((store, version.key))
                 else:
                     info = await store.stat(version.key)
-                    manifest = await self.packs.manifest(store, version.key, info.size, info.mtime)
+                    manifest = await self.packs.manifest(
+                        store, version.key, info.size, (info.mtime, info.etag)
+                    )
                     for name, recorded in itertools.zip_longest(manifest.packs, manifest.pack_ids):
                         expected = None if recorded is None else PackId(*recorded)
                         if expected is None:  # an earlier release's: there, at least
@@ -365,9 +368,9 @@ class RunView:
         # The packs no version there points into any more (nor a save or upload in flight).
         async with self.packs.lock:
 
-            async def versions() -> list[tuple[str, int, float | None]]:
+            async def versions() -> list[tuple[str, int, Hashable]]:
                 listed = await self.list_store(store)
-                return [(v.key, v.size, v.mtime) for v in listed if v.kind == "checkpoint"]
+                return [(v.key, v.size, v.stamp) for v in listed if v.kind == "checkpoint"]
 
             return await self.packs.collect(store, versions)
 

@@ -91,6 +91,7 @@ class Version(msgspec.Struct, frozen=True):
         kind: ``"checkpoint"``, one object written by :meth:`Checkpointer.save`; or
             ``"dcp"``, a distributed version written by ``torch.distributed.checkpoint``
             through :meth:`asyncstore.torch.Checkpointer.dcp_writer`.
+        etag: the store's version tag of the object (see :class:`asyncstore.ObjectInfo`).
         saved: when it was saved (Unix seconds): the time of the :meth:`Checkpointer.save`
             call (recorded in the version); for a version of an earlier release, when its
             manifest was made; for a distributed version, when its first object was
@@ -109,6 +110,14 @@ class Version(msgspec.Struct, frozen=True):
     stored_bytes: int = 0
     kind: Literal["checkpoint", "dcp"] = "checkpoint"
     saved: float | None = None
+    etag: str | None = None
+
+    @property
+    def stamp(self) -> tuple[float | None, str | None]:
+        """What tells this object from another written under its key: mtime and ETag
+        (S3's mtime has one-second resolution; a key rewritten within the second with
+        the same size differs by its ETag)."""
+        return (self.mtime, self.etag)
 
 
 async def scan(store: Store) -> tuple[list[Version], list[int]]:
@@ -120,7 +129,7 @@ async def scan(store: Store) -> tuple[list[Version], list[int]]:
         match = _NAME.match(info.key)
         if match is not None:
             step = int(match.group(1))
-            found[step] = Version(step, info.key, info.size, info.mtime)
+            found[step] = Version(step, info.key, info.size, info.mtime, etag=info.etag)
         elif (match := _DCP_NAME.match(info.key)) is not None:
             directories.setdefault(int(match.group(1)), []).append(info)
         # else not a version: another file in the same place
