@@ -177,9 +177,9 @@ async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> s
         await target.aclose()
 
 
-def _agreed(find: Callable[[], int]) -> int:
-    """``find()`` on rank 0, broadcast to every rank of the initialized process group (its
-    error too, raised on every rank); in one process, ``find()``."""
+def _agreed(find: Callable[[], int], group: Any = None) -> int:
+    """``find()`` on rank 0, broadcast to every rank of ``group`` (the default group when
+    ``None``; its error too, raised on every rank); in one process, ``find()``."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -199,7 +199,7 @@ def _agreed(find: Callable[[], int]) -> int:
                 else "failed"
             )
             outcome[0] = (kind, str(exc))
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=group)
     kind, value = outcome[0]
     if error is not None:
         raise error
@@ -229,6 +229,7 @@ class Checkpointer:
     def __init__(self, url: Any, **options: Any) -> None:
         self._ckpt = _AsyncCheckpointer(url, **options)
         self._closed = False
+        self._group: Any = None  # the gloo group of DCP's collectives, made on first use
 
     @property
     def url(self) -> str:
@@ -321,6 +322,66 @@ class Checkpointer:
         ckpt._dcp_writers.add(writer)
         return writer
 
+    def dcp_group(self) -> Any:
+        """The process group this checkpointer's distributed saves and loads run their
+        collectives on: a gloo group of every rank of the default group, made on first use
+        (collectively: every rank calls the ``dcp_*`` methods in the same order, as DCP
+        needs anyway); ``None`` outside an initialized process group.
+
+        A group of its own, because DCP's collectives must not share a group with the
+        training's: an ``async_save`` on the default group runs its collectives on a
+        background thread while DDP's backward all-reduces on the same group, and on gloo
+        the two interleave and deadlock (PyTorch's advice is a separate group for
+        checkpoint collectives). Pass it as ``process_group=`` when calling DCP directly.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def dcp_save(self, state: dict[str, Any], step: int, *, planner: Any = None) -> None:
+        """Save ``state`` as the distributed version of ``step``, on every rank
+        (collectively), returning once it is committed: ``dcp.save`` with
+        :meth:`dcp_writer` and :meth:`dcp_group`. ``planner`` goes to ``dcp.save``.
+
+        Raises:
+            InvalidArgument: as :meth:`dcp_writer`.
+        """
+        from torch.distributed.checkpoint import state_dict_saver
+
+        state_dict_saver.save(
+            state,
+            storage_writer=self.dcp_writer(step),
+            planner=planner,
+            process_group=self.dcp_group(),
+        )
+
+    def dcp_async_save(
+        self, state: dict[str, Any], step: int, *, planner: Any = None
+    ) -> concurrent.futures.Future[Any]:
+        """Save ``state`` as the distributed version of ``step`` in the background, on
+        every rank (collectively): ``dcp.async_save`` with :meth:`dcp_writer` and
+        :meth:`dcp_group`, so that its collectives never meet the training's (the default
+        group's DDP all-reduces). Returns once ``state`` is staged (copied): training may
+        change it at once. Wait for the returned future before the next save.
+
+        Raises:
+            InvalidArgument: as :meth:`dcp_writer`.
+        """
+        from torch.distributed.checkpoint import state_dict_saver
+
+        future = state_dict_saver.async_save(
+            state,
+            storage_writer=self.dcp_writer(step),
+            planner=planner,
+            process_group=self.dcp_group(),
+        )
+        assert isinstance(future, concurrent.futures.Future)
+        return future
+
     def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
         """A ``torch.distributed.checkpoint`` storage reader of the distributed version of
         ``step``, or of the newest one whose ``.metadata`` verifies: on every rank,
@@ -380,7 +441,9 @@ class Checkpointer:
             url = ckpt._dcp_url(found)
             reader = dcp.StorageReader(url, store_options=ckpt._store_options)
             try:
-                state_dict_loader.load(state, storage_reader=reader, planner=planner)
+                state_dict_loader.load(
+                    state, storage_reader=reader, planner=planner, process_group=self.dcp_group()
+                )
             except CheckpointException as exc:
                 damage = [
                     (rank, error)
@@ -402,9 +465,10 @@ class Checkpointer:
     def _agreed_dcp(self, step: int | None, failed: dict[int, str]) -> int:
         # The version every rank loads: ``step``'s, or the newest that may load (rank 0's
         # choice, collectively under a process group).
+        group = self.dcp_group()
         if step is not None:
-            return _agreed(lambda: self._dcp_versions(step)[-1].step)
-        return _agreed(lambda: self._loadable_dcp(failed))
+            return _agreed(lambda: self._dcp_versions(step)[-1].step, group)
+        return _agreed(lambda: self._loadable_dcp(failed), group)
 
     def _dcp_versions(self, step: int | None) -> list[Version]:
         # The distributed versions (of ``step`` only, when given), oldest first.
