@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Callable
 
 from .errors import InvalidArgument, PermissionDenied
 
@@ -41,6 +42,21 @@ def _refusal(exc: OSError, path: str, parameter: str, choose: str) -> Exception 
     return None
 
 
+def _attempt(
+    action: Callable[[], object], path: str, parameter: str, choose: str
+) -> OSError | None:
+    # ``action()``; a path that can never work raises its asyncstore error, a device fault
+    # is returned for the caller to decide on.
+    try:
+        action()
+    except OSError as exc:
+        refusal = _refusal(exc, path, parameter, choose)
+        if refusal is not None:
+            raise refusal from exc
+        return exc
+    return None
+
+
 def make_dir(path: str, parameter: str, choose: str) -> OSError | None:
     """Create the directory ``path`` (and its parents) if it is missing; write nothing in
     one that exists (it may be read-only on purpose).
@@ -58,14 +74,7 @@ def make_dir(path: str, parameter: str, choose: str) -> OSError | None:
         PermissionDenied: this process may not create the directory.
         InvalidArgument: the path is a file, lies under one, or cannot be a directory.
     """
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        refusal = _refusal(exc, path, parameter, choose)
-        if refusal is not None:
-            raise refusal from exc
-        return exc
-    return None
+    return _attempt(lambda: os.makedirs(path, exist_ok=True), path, parameter, choose)
 
 
 def check_disk_dir(path: str, parameter: str, without: str) -> OSError | None:
@@ -90,13 +99,10 @@ def check_disk_dir(path: str, parameter: str, without: str) -> OSError | None:
     failed = make_dir(path, parameter, choose)
     if failed is not None:
         return failed
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".asyncstore-probe-", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        refusal = _refusal(exc, path, parameter, choose)
-        if refusal is not None:
-            raise refusal from exc
-        return exc
-    return None
+    return _attempt(lambda: _probe(path), path, parameter, choose)
+
+
+def _probe(path: str) -> None:
+    fd, probe = tempfile.mkstemp(prefix=".asyncstore-probe-", dir=path)
+    os.close(fd)
+    os.unlink(probe)

@@ -610,10 +610,7 @@ class Checkpointer(AsyncResource):
         no distributed save is in flight.
         """
         await self._ensure_open()
-        return await self._view.remove_leftovers(
-            {
-                self._store.url: set(self._saving),
-                **({} if self._mirror is None else {self._mirror.url: self._uploading()}),
-            },
-            self._dcp_writing(),
-        )
+        writing = {self._store.url: set(self._saving)}
+        if self._mirror is not None:
+            writing[self._mirror.url] = self._uploading()
+        return await self._view.remove_leftovers(writing, self._dcp_writing())

@@ -76,21 +76,21 @@ async def copy_version(
     copied = 0
     recorded = dict(zip(packs, ids or [], strict=False))
     for pack in packs:
-        expected = recorded.get(pack)
-        if force:
-            pass
-        elif expected is not None:
-            if await pack_whole(target, pack, PackId(*expected)) is None:
-                continue
-        else:
-            size = (await source.stat(pack)).size
-            try:
-                if (await target.stat(pack)).size == size:
-                    continue
-            except NotFound:
-                pass
+        if not force and await _holds(source, target, pack, recorded.get(pack)):
+            continue
         copied += await copy_object(source, target, pack)
     return copied + await copy_object(source, target, key, name)
+
+
+async def _holds(source: Store, target: Store, pack: str, recorded: tuple[int, int] | None) -> bool:
+    # Whether ``target`` holds ``pack`` already: the one recorded (size and index
+    # checksum), or for an earlier release's pack, which has no identity, one of its size.
+    if recorded is not None:
+        return await pack_whole(target, pack, PackId(*recorded)) is None
+    try:
+        return (await target.stat(pack)).size == (await source.stat(pack)).size
+    except NotFound:
+        return False
 
 
 async def copy_object(source: Store, target: Store, key: str, name: str | None = None) -> int:

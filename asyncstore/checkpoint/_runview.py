@@ -63,6 +63,8 @@ class RunView:
         self.mirror_timeout = mirror_timeout
         self.damaged: set[tuple[str, str]] = set()
         self.noted: set[str] = set()  # what listings warned about already
+        # Packs found whole, by (store URL, key): their stat and identity at the time.
+        self._whole: dict[tuple[str, str], tuple[Hashable, PackId]] = {}
 
     def stores(self) -> list[Store]:
         return [self.store] if self.mirror is None else [self.store, self.mirror]
@@ -114,6 +116,15 @@ class RunView:
                 logger.warning("%s (mirror %s): %s", self.store.url, self.mirror.url, note)
         return merged
 
+    async def _manifest(self, store: Store, version: Version) -> fmt.Manifest | None:
+        # The version's manifest in ``store`` (read once per process and object), or None
+        # when it does not read (damaged).
+        # Raises: NotFound: deleted since it was listed.
+        try:
+            return await self.packs.manifest(store, version.key, version.size, version.stamp)
+        except IntegrityError:
+            return None
+
     async def weigh(self, store: Store, versions: list[Version]) -> dict[int, Copy]:
         # Each version's identity and save time in ``store``, from its manifest (read once
         # per process; None when it does not read). Deleted meanwhile: left out.
@@ -124,15 +135,13 @@ class RunView:
                 copies[version.step] = Copy(version, None, fallback)
                 continue
             try:
-                manifest = await self.packs.manifest(
-                    store, version.key, version.size, version.stamp
-                )
+                manifest = await self._manifest(store, version)
             except NotFound:
                 continue
-            except IntegrityError:
+            if manifest is None:
                 copies[version.step] = Copy(version, None, fallback)
-                continue
-            copies[version.step] = Copy(version, identity(manifest), saved_of(manifest))
+            else:
+                copies[version.step] = Copy(version, identity(manifest), saved_of(manifest))
         return copies
 
     async def describe(self, listed: list[Version]) -> list[Version]:
@@ -148,22 +157,19 @@ class RunView:
                 )
                 continue
             try:
-                manifest = await self.packs.manifest(
-                    store, version.key, version.size, version.stamp
-                )
+                manifest = await self._manifest(store, version)
             except NotFound:
                 continue  # deleted since it was listed
-            except IntegrityError:
+            if manifest is None:
                 described.append(msgspec.structs.replace(version, state="damaged"))
                 continue
-            saved = saved_of(manifest)
             described.append(
                 msgspec.structs.replace(
                     version,
                     state=state,
                     raw_bytes=manifest.raw_bytes,
                     stored_bytes=manifest.stored_bytes,
-                    saved=saved,
+                    saved=saved_of(manifest),
                 )
             )
         return in_save_order(described)
@@ -180,10 +186,10 @@ class RunView:
             if version.kind == "dcp":
                 continue  # saved by every rank, not by this checkpointer: nothing to build on
             try:
-                manifest = await self.packs.manifest(
-                    self.store, version.key, version.size, version.stamp
-                )
-            except (IntegrityError, NotFound):
+                manifest = await self._manifest(self.store, version)
+            except NotFound:
+                manifest = None
+            if manifest is None:
                 continue  # damaged, or deleted meanwhile: build on the one before
             chain = manifest.metadata.get(CHAIN)
             if isinstance(chain, bool) or not isinstance(chain, int) or chain < 0:
@@ -203,7 +209,7 @@ class RunView:
         whole: dict[str, PackId] = {}
         for name in manifest.packs:
             expected = recorded.get(name)
-            reason = await pack_whole(self.store, name, expected)
+            reason = await self.pack_problem(self.store, name, expected)
             if reason is None and expected is not None:
                 whole[name] = expected
             elif expected is not None:  # an earlier release's pack is expected: no warning
@@ -215,6 +221,27 @@ class RunView:
                     reason,
                 )
         return whole
+
+    async def pack_problem(self, store: Store, name: str, expected: PackId | None) -> str | None:
+        """Why the pack ``name`` in ``store`` is not the one ``expected`` describes (see
+        :func:`._packfile.whole`); ``None`` when it is. Its trailer and index are read
+        once per state of the object: again only when its size, mtime or ETag changed
+        (every save's base and retention ask about the same packs)."""
+        if expected is None:
+            return await pack_whole(store, name, None)
+        try:
+            info = await store.stat(name)
+        except NotFound:
+            return "missing"
+        state = ((info.size, info.mtime, info.etag), expected)
+        if self._whole.get((store.url, name)) == state:
+            return None
+        problem = await pack_whole(store, name, expected)
+        if problem is None:
+            if len(self._whole) > 4096:
+                self._whole.clear()  # a run's packs are far fewer: stale entries
+            self._whole[(store.url, name)] = state
+        return problem
 
     async def load_version(self, version: Version, options: dict[str, Any]) -> Any:
         if version.kind == "dcp":
@@ -333,7 +360,7 @@ class RunView:
                         expected = None if recorded is None else PackId(*recorded)
                         if expected is None:  # an earlier release's: there, at least
                             await store.stat(name)
-                        elif await pack_whole(store, name, expected) is not None:
+                        elif await self.pack_problem(store, name, expected) is not None:
                             raise IntegrityError(f"its pack {name} is not whole")
             except (IntegrityError, NotFound) as exc:
                 logger.info("%s/%s does not count as loadable (%s)", store.url, version.key, exc)
