@@ -92,9 +92,10 @@ def test_a_state_resumes_exactly_where_it_was_saved(source: Path) -> None:
     plan = ds.plan()
     assert read(ds, 12) == plan[:12]
     state = ds.state_dict()
-    assert state["version"] == 2
-    assert (state["epoch"], state["consumed"], state["seed"]) == (2, 12, 3)
-    assert (state["rank"], state["world_size"], state["samples"]) == (1, 2, COUNT)
+    assert state["version"] == 3
+    assert (state["epoch"], state["start"], state["consumed"], state["seed"]) == (2, 0, 12, 3)
+    assert (state["world_size"], state["samples"]) == (2, COUNT)
+    assert "rank" not in state  # the same dict on every rank: saved once for the job
     assert state["shuffle"] is True
     assert 0 <= state["key_digest"] < 1 << 63  # fits an int64 wherever the state is kept
     # Kept as JSON (or by torch.save), loaded by a new dataset of the same configuration.
@@ -103,6 +104,28 @@ def test_a_state_resumes_exactly_where_it_was_saved(source: Path) -> None:
     again.load_state_dict(kept)
     again.set_epoch(2)  # the usual loop sets the loaded epoch again: the position holds
     assert read(again) == plan[12:]
+
+
+def format_2(state: dict[str, Any], rank: int) -> dict[str, Any]:
+    """``state`` as the second format wrote it: one per rank, no ``start``."""
+    assert state["start"] == 0  # the second format could not say otherwise
+    old = {name: value for name, value in state.items() if name != "start"}
+    return {**old, "version": 2, "rank": rank}
+
+
+def test_a_state_of_the_second_format_loads_on_its_own_rank(source: Path) -> None:
+    ds = dataset(source, rank=1, world_size=2, batch_size=4)
+    ds.set_epoch(2)
+    saved = format_2(ds.state_dict(consumed=12), rank=1)
+    again = dataset(source, rank=1, world_size=2, batch_size=4)
+    again.load_state_dict(saved)
+    assert read(again) == ds.plan(2)[12:]
+    assert again.state_dict()["consumed"] == COUNT // 2 + 1  # counted on from 12
+    message = refused(dataset(source, rank=0, world_size=2, batch_size=4), saved)
+    assert message.startswith("state['rank']=1, but this dataset has rank=0: ")
+    assert "load on each rank the state that rank saved" in message
+    with pytest.raises(InvalidArgument, match=r"state\['rank'\]=2 is not below .*=2"):
+        again.load_state_dict(dict(saved, rank=2))
 
 
 def test_a_state_of_the_first_format_still_loads_and_is_checked(source: Path) -> None:
@@ -150,8 +173,8 @@ def test_a_state_resumes_with_another_number_of_workers(
         state = ds.state_dict(consumed=3 * 4)
         # The shard is recorded; the number of workers is not, as the stream's order does
         # not depend on it.
-        assert (state["rank"], state["world_size"]) == (rank, 2)
-        assert not {name for name in state if "worker" in name}
+        assert state["world_size"] == 2
+        assert not {name for name in state if "worker" in name or name == "rank"}
         resumed = dataset(
             source, rank=rank, world_size=2, batch_size=4, cache_dir=source.parent / "c"
         )
@@ -232,13 +255,14 @@ def test_consumed_beyond_the_epoch_is_refused(source: Path) -> None:
         ("consumed", None, "an int was expected, not NoneType"),
         ("seed", 3.0, "an int was expected, not float"),
         ("world_size", "2", "an int was expected, not str"),
-        ("rank", True, "an int was expected, not bool"),
+        ("start", True, "an int was expected, not bool"),
+        ("start", COUNT + 1, f"pass an int >= 0 and <= {COUNT} (the dataset holds {COUNT}"),
         ("samples", [COUNT], "an int was expected, not list"),
         ("shuffle", 1, "a bool was expected"),
         ("version", "2", "an int was expected, not str"),
         ("consumed", -4, "pass an int >= 0"),
         ("epoch", -1, "pass an int >= 0"),
-        ("world_size", -2, "pass an int >= 0"),
+        ("world_size", 0, "pass an int >= 1"),
     ],
 )
 def test_an_entry_of_the_wrong_type_is_refused(
@@ -259,18 +283,26 @@ def test_an_entry_of_the_wrong_type_is_refused(
 def test_what_is_not_a_state_is_refused(source: Path) -> None:
     ds = dataset(source)
     state = ds.state_dict()
-    with pytest.raises(InvalidArgument, match=r"state=\[0, 0\]: pass the dict"):
-        ds.load_state_dict([0, 0])  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"state=7: pass the dict"):
+        ds.load_state_dict(7)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"state\[0\]=0: pass the dicts"):
+        ds.load_state_dict([0, 0])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match=r"state=\[\]: pass one state"):
+        ds.load_state_dict([])
     with pytest.raises(InvalidArgument, match="unknown entries 'model'"):
         ds.load_state_dict(dict(state, model=1))
-    with pytest.raises(InvalidArgument, match="missing 'rank', 'world_size'"):
-        ds.load_state_dict({k: v for k, v in state.items() if k not in ("rank", "world_size")})
+    with pytest.raises(InvalidArgument, match="missing 'start', 'world_size'"):
+        ds.load_state_dict({k: v for k, v in state.items() if k not in ("start", "world_size")})
+    with pytest.raises(InvalidArgument, match="unknown entries 'rank'"):
+        ds.load_state_dict(dict(state, rank=0))  # format 3 holds no rank
+    with pytest.raises(InvalidArgument, match="unknown entries 'start'; missing 'rank'"):
+        ds.load_state_dict(dict(state, version=2))
     with pytest.raises(InvalidArgument, match="unknown entries 'rank'"):
         ds.load_state_dict({"epoch": 0, "consumed": 0, "rank": 0})  # no version: format 1
     with pytest.raises(InvalidArgument, match="missing 'consumed'"):
         ds.load_state_dict({"epoch": 0})
-    with pytest.raises(InvalidArgument, match=r"version'\]=3: .*newer asyncstore"):
-        ds.load_state_dict(dict(state, version=3))
+    with pytest.raises(InvalidArgument, match=r"version'\]=4: .*newer asyncstore"):
+        ds.load_state_dict(dict(state, version=4))
     with pytest.raises(InvalidArgument, match=r"version'\]=1: not a version"):
         ds.load_state_dict(dict(state, version=1))
 
@@ -285,23 +317,28 @@ def refused(ds: StreamingDataset[str], state: dict[str, Any]) -> str:
     return str(caught.value)
 
 
-def test_a_state_of_another_world_size_is_refused(source: Path) -> None:
+def test_a_state_of_another_world_size_before_the_group_is_refused(source: Path) -> None:
+    # Loaded before the process group is set up, the dataset is rank 0 of 1, which is
+    # most likely not the world it will read at: say so rather than re-shard for one rank.
     state = dataset(source, rank=0, world_size=2, batch_size=4).state_dict(consumed=8)
-    message = refused(dataset(source, rank=0, world_size=3, batch_size=4), dict(state, epoch=0))
-    assert message.startswith("state['world_size']=2, but this dataset has world_size=3: ")
-    assert "resume with 2 ranks" in message
-    assert "call ds.set_epoch(0)" in message  # the other way out: the epoch from its start
-    # Loaded before the process group is set up, the dataset is rank 0 of 1: say so.
-    message = refused(dataset(source, batch_size=4), state)
-    assert message.startswith("state['world_size']=2, but this dataset has world_size=1: ")
-    assert "no torch.distributed group is initialised" in message
+    for saved in (state, format_2(state, rank=0)):
+        message = refused(dataset(source, batch_size=4), saved)
+        assert message.startswith("state['world_size']=2, but this dataset has world_size=1 ")
+        assert "no torch.distributed group is initialised" in message
+        assert "call ds.set_epoch(0)" in message  # the other way out: the epoch afresh
 
 
-def test_a_state_of_another_rank_is_refused(source: Path) -> None:
-    state = dataset(source, rank=1, world_size=2).state_dict(consumed=5)
-    message = refused(dataset(source, rank=0, world_size=2), state)
-    assert message.startswith("state['rank']=1, but this dataset has rank=0: ")
-    assert "load on each rank the state that rank saved" in message
+def test_a_position_loaded_at_one_world_size_is_not_read_at_another(source: Path) -> None:
+    # Saved by one rank and loaded with no group: taken as this world's position. A group
+    # of two set up afterwards would read another split from the same skip: refused.
+    state = dataset(source, batch_size=4).state_dict(consumed=8)
+    ds = dataset(source, batch_size=4)
+    ds.load_state_dict(state)
+    ds._rank, ds._world = 0, 2  # what a process group set up now would give
+    with pytest.raises(InvalidArgument, match=r"loaded at world_size=1, .* world_size=2: call"):
+        read(ds)
+    with pytest.raises(InvalidArgument, match=r"loaded at world_size=1, .* world_size=2: call"):
+        ds.state_dict()
 
 
 def test_a_state_of_another_dataset_length_is_refused(source: Path) -> None:

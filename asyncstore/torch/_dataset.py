@@ -6,7 +6,6 @@ import contextlib
 import json
 import logging
 import multiprocessing
-import operator
 import os
 import sys
 import warnings
@@ -33,10 +32,20 @@ from .._prefetch import Prefetcher, PrefetchStats
 from .._resource import track
 from ..cache import CacheStats, TieredCache
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
+from ..metrics._workers import WorkerFigures
 from ..stores import Store, open_store
 from ..stores._keys import check_key
+from ._datastate import (
+    MAX_EPOCH,
+    Facts,
+    Position,
+    check_world,
+    make_state,
+    read_state,
+    stream_slices,
+)
 from ._order import EpochOrder
-from ._shard import check_resume, per_rank
+from ._shard import per_rank
 
 T = TypeVar("T")
 
@@ -45,27 +54,6 @@ __all__ = ["StreamingDataset", "DatasetStats", "EpochTotals"]
 MiB = 1 << 20
 
 logger = logging.getLogger("asyncstore.torch")
-
-# The format of state_dict(). The first release's (no "version") held epoch, consumed and
-# seed only; 2 adds what the position depends on, so a state cannot resume another plan.
-_STATE_VERSION = 2
-_STATE_V1 = frozenset({"epoch", "consumed", "seed"})
-_STATE_V2 = frozenset(
-    {
-        "version",
-        "epoch",
-        "consumed",
-        "seed",
-        "shuffle",
-        "samples",
-        "key_digest",
-        "rank",
-        "world_size",
-    }
-)
-# Epochs far beyond any training run: the position lives in int64 shared memory, and a
-# value this side of it is a counter, not a stray number (a step, a hash) passed as one.
-_MAX_EPOCH = (1 << 31) - 1
 
 # Per-worker slots of the shared totals (workers beyond this share slots, still summed).
 _SLOTS = 256
@@ -279,9 +267,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._rank = config.rank
         self._world = config.world_size
         self._batch = config.batch_size
-        # [epoch, samples of it already consumed] in shared memory: DataLoader workers
-        # (persistent ones too) read the position the main process set, at each iteration.
-        self._position = multiprocessing.RawArray("q", [0, 0])
+        # The Position (_datastate) in shared memory: DataLoader workers (persistent ones
+        # too) read the position the main process set, at each iteration.
+        self._position = multiprocessing.RawArray("q", list(Position(0)))
         # _FIELDS figures per process: one slot for the main process and one per DataLoader
         # worker, each written by its own process only (no lock needed, and a lock could not
         # cross into spawned workers), summed by totals(); and the same per epoch, for the
@@ -300,6 +288,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
         track(self)  # listed by asyncstore.metrics.snapshot() while it lives
+        self._worker_figures = WorkerFigures(self)  # DataLoader workers' figures, for it
 
     # -- the plan ----------------------------------------------------------------------------
 
@@ -361,11 +350,10 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         Raises:
             InvalidArgument: ``epoch`` is not an int from 0 to ``2**31 - 1``.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= _MAX_EPOCH:
-            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0 and <= {_MAX_EPOCH}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 <= epoch <= MAX_EPOCH:
+            raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0 and <= {MAX_EPOCH}")
         if epoch != self._epoch:
-            self._position[1] = 0
-        self._position[0] = epoch
+            self._position[:] = list(Position(epoch))
         self._begin_epoch(epoch)
 
     def _begin_epoch(self, epoch: int) -> None:
@@ -378,9 +366,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def _epoch(self) -> int:
         return int(self._position[0])
 
-    @property
-    def _skip(self) -> int:
-        return int(self._position[1])
+    def _here(self) -> Position:
+        """The position the next iteration starts from (of the current epoch)."""
+        return Position(*map(int, self._position))
 
     def _shard(self) -> tuple[int, int]:
         if self._rank is not None and self._world is not None:
@@ -409,139 +397,81 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         epoch = self._epoch if epoch is None else epoch
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
-        return [key for part in self._order(epoch).slices() for key in self._keys.take(part)]
+        # A re-sharded epoch's stream begins where the world that saved it stopped.
+        start = self._here().start if epoch == self._epoch else 0
+        parts = stream_slices(self._order(epoch), start, 0, 1, 0, 1)
+        return [key for part in parts for key in self._keys.take(part)]
 
     # -- resume ------------------------------------------------------------------------------
 
     def state_dict(self, consumed: int | None = None) -> dict[str, int]:
-        """The position to resume from: the epoch and the samples of it this rank consumed,
-        with what that position depends on.
+        """The position to resume from: the epoch, and how much of it this rank consumed,
+        with what that position depends on. The same dict on every rank of a DDP job (all
+        ranks step together), so it can be saved once for the whole job.
 
-        With ``num_workers=0`` the dataset counts them itself; with workers, pass
-        ``consumed`` (batches consumed times batch size) from the training loop.
+        With ``num_workers=0`` the dataset counts ``consumed`` itself; with workers, pass
+        it (batches consumed times batch size) from the training loop: the samples of this
+        rank's stream of the epoch consumed, counted from the epoch's start, or from
+        where :meth:`load_state_dict` resumed it (``state_dict()["consumed"]`` right after
+        the load).
 
-        The dict holds ints only (``shuffle`` a bool): ``version`` (its format),
-        ``epoch``, ``consumed``, and the plan it counts in: ``seed``, ``shuffle``,
-        ``samples`` (the dataset's keys), ``key_digest`` (a 63-bit digest of them, in
-        order), ``rank`` and ``world_size``. :meth:`load_state_dict` refuses it where any
-        of these differs. It does not depend on the DataLoader's number of workers.
-
-        Raises:
-            InvalidArgument: ``consumed`` is not an int from 0 to ``len(self)``, or not a
-                multiple of ``batch_size``.
-        """
-        rank, world = self._shard()
-        if consumed is None:
-            done = self._skip + self._yielded
-        else:
-            done = _whole("consumed", consumed, per_rank(len(self._keys), world))
-            check_resume(done, self._batch)
-        return {
-            "version": _STATE_VERSION,
-            "epoch": self._epoch,
-            "consumed": done,
-            "seed": self._seed,
-            "shuffle": self._shuffle,
-            "samples": len(self._keys),
-            "key_digest": self._key_digest(),
-            "rank": rank,
-            "world_size": world,
-        }
-
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        """Resume: the next iteration continues the epoch after ``state["consumed"]``.
-
-        ``state`` is what :meth:`state_dict` returned, in a dataset over the same keys
-        with the same ``seed`` and ``shuffle``, on the same rank of the same world size
-        (the DataLoader's number of workers may differ). A state of the first format
-        (``epoch``, ``consumed`` and ``seed`` only) is taken to have been saved by such a
-        dataset, as nothing in it says otherwise; its numbers are checked all the same.
+        The dict holds ints only (``shuffle`` a bool): ``version`` (3), ``epoch``,
+        ``start`` (samples of the epoch's order the job had consumed when this rank's
+        stream began: 0 but after a resume at another world size), ``consumed``,
+        ``world_size``, and the plan it counts in: ``seed``, ``shuffle``, ``samples`` (the
+        dataset's keys) and ``key_digest`` (a 63-bit digest of them, in order). It does
+        not depend on the rank or the DataLoader's number of workers.
 
         Raises:
-            InvalidArgument: ``state`` is not such a dict: an entry missing or unknown, not
-                an int, negative, beyond ``2**31 - 1`` (``epoch``) or the epoch's length
-                (``consumed`` above ``len(self)``), ``consumed`` not a multiple of
-                ``batch_size``; or saved by a dataset that differs in one of the above (the
-                message names the entry, both values and what to do).
+            InvalidArgument: ``consumed`` is not an int from 0 to this rank's stream's
+                length (``len(self)`` in an epoch not resumed at another world size), or
+                not a multiple of ``batch_size``; or the position was loaded at another
+                world size than the dataset now has.
         """
-        if not isinstance(state, Mapping):
-            raise InvalidArgument(
-                f"state={state!r:.200}: pass the dict StreamingDataset.state_dict() returned"
-            )
-        if "version" not in state:
-            fields = _STATE_V1
-            required = fields - {"seed"}  # the seed was added within the first format
-        else:
-            version = _whole("version", state["version"], None, in_state=True)
-            if version > _STATE_VERSION:
-                raise InvalidArgument(
-                    f"state['version']={version}: this state was saved by a newer asyncstore; "
-                    f"this one reads up to version {_STATE_VERSION}: upgrade asyncstore here"
-                )
-            if version != _STATE_VERSION:
-                raise InvalidArgument(
-                    f"state['version']={version}: not a version state_dict() writes (1 has "
-                    f"no 'version' entry, {_STATE_VERSION} is the current one); pass the "
-                    "dict state_dict() returned"
-                )
-            fields = required = _STATE_V2
-        unknown = sorted(map(repr, set(state) - fields))
-        missing = sorted(required - set(state))
-        if unknown or missing:
-            raise InvalidArgument(
-                f"state {state!r:.200} is not a StreamingDataset state_dict(): "
-                + "; ".join(
-                    ([f"unknown entries {', '.join(unknown)}"] if unknown else [])
-                    + ([f"missing {', '.join(map(repr, missing))}"] if missing else [])
-                )
-                + "; pass the dict state_dict() returned, unchanged"
-            )
+        return make_state(self._here(), consumed, self._yielded, self._facts())
+
+    def load_state_dict(self, state: Mapping[str, object] | Sequence[Mapping[str, object]]) -> None:
+        """Resume: the next iteration continues the epoch after what ``state`` consumed,
+        at this dataset's world size, which may differ from the one that saved it.
+
+        ``state`` is what :meth:`state_dict` returned, in a dataset over the same keys with
+        the same ``seed`` and ``shuffle``; or the list of every rank's states, which must
+        agree (then ranks that consumed different counts are refused). At the same world
+        size each rank goes on in its own stream and counts on from the saved
+        ``consumed``. At another, the samples the old ranks consumed together (the first
+        ``start + consumed * world_size`` of the epoch's order, as every rank consumed the
+        same count) are done, the rest is split anew among this world's ranks in equal
+        streams, and ``consumed`` counts from 0 again (see ``docs/datasets.md``). States of
+        the earlier formats load too: format 2 (one per rank) at the same world size on
+        its own rank only, or at another on any rank; the first format as this rank's.
+
+        Raises:
+            InvalidArgument: ``state`` is not such a state: an entry missing or unknown, not
+                an int, negative, beyond ``2**31 - 1`` (``epoch``) or the saved epoch's
+                stream (``consumed``), ``consumed`` not a multiple of ``batch_size`` (same
+                world size); saved by a dataset that differs in keys, seed or shuffle, or by
+                another rank (format 2, same world size); every rank's states that
+                disagree; or a state of another world size loaded before the process group
+                is set up. The message names the entry, the values and what to do.
+        """
+        position = read_state(state, self._facts())
+        self._position[:] = list(position)
+        self._yielded = 0
+        self._begin_epoch(position.epoch)
+
+    def _facts(self) -> Facts:
         rank, world = self._shard()
-        epoch = _whole("epoch", state["epoch"], _MAX_EPOCH, in_state=True)
-        current: dict[str, object] = {
-            "seed": self._seed,
-            "shuffle": self._shuffle,
-            "samples": len(self._keys),
-            "key_digest": self._key_digest(),
-            "world_size": world,
-            "rank": rank,
-        }
-        afresh = (
-            f"or, to read epoch {epoch} from its start instead, leave the state out and "
-            f"call ds.set_epoch({epoch})"
+        known = self._world is not None or (dist.is_available() and dist.is_initialized())
+        return Facts(
+            seed=self._seed,
+            shuffle=self._shuffle,
+            samples=len(self._keys),
+            key_digest=self._key_digest(),
+            rank=rank,
+            world=world,
+            batch=self._batch,
+            shard_known=known,
         )
-        for name, value in current.items():
-            if name not in state:
-                continue  # a first-format state: assumed to match (see the docstring)
-            saved = state[name]
-            if name == "shuffle":
-                if not isinstance(saved, bool):
-                    raise InvalidArgument(
-                        f"state['shuffle']={saved!r:.100}: a bool was expected; pass the "
-                        "dict state_dict() returned, unchanged"
-                    )
-            else:
-                # Any int for the seed, as the dataset takes; the others are counts.
-                least = None if name == "seed" else 0
-                saved = _whole(name, saved, None, in_state=True, least=least)
-            if saved != value:
-                raise InvalidArgument(
-                    f"state[{name!r}]={saved!r}, but this dataset has {name}={value!r}: "
-                    + _MISMATCH[name].format(saved=saved)
-                    + (
-                        _DEFAULT_SHARD
-                        if name in ("world_size", "rank")
-                        and self._world is None
-                        and not (dist.is_available() and dist.is_initialized())
-                        else ""
-                    )
-                    + ("" if name == "rank" else f"; {afresh}")
-                )
-        length = per_rank(len(self._keys), world)
-        consumed = _whole("consumed", state["consumed"], length, in_state=True)
-        check_resume(consumed, self._batch)
-        self._position[0], self._position[1] = epoch, consumed
-        self._begin_epoch(epoch)
 
     def _key_digest(self) -> int:
         # The index's own checksums (of the offsets and of the keys' bytes), taken when it
@@ -559,7 +489,11 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         # Workers take whole batches in turn, as the DataLoader asks them for batches in turn:
         # with batch_size matching the DataLoader's, the stream keeps the plan's order.
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        slices = self._order(epoch).slices(self._skip, self._batch, worker, workers)
+        here = self._here()
+        check_world(here, self._shard()[1])
+        slices = stream_slices(
+            self._order(epoch), here.start, here.skip, self._batch, worker, workers
+        )
         for part in slices:
             yield from self._keys.take(part)
 
@@ -571,6 +505,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._yielded = 0
         conn = self._connection()
         session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
+        published = self._worker_figures.iteration(conn.store, conn.cache, session.prefetcher)
         try:
             # A DataLoader uses nothing before it has a whole batch: wait for one per trip
             # (or a full trip) rather than make several trips for a few items each, which
@@ -578,6 +513,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             least = min(self._batch, _BATCH)
             while True:
                 items = run_sync(session.next_batch(_BATCH, least))
+                published.tick()
                 if not items:
                     break
                 for key, data in items:
@@ -586,6 +522,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         finally:
             self._last = stats = run_sync(session.close())
             self._add_figures(epoch, _figures(stats, session.before))
+            published.end(stats)
 
     def _check_loader_batch(self, caller: FrameType | None) -> None:
         # Workers take whole batches of the dataset's batch_size in turn, while the
@@ -693,55 +630,6 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                 f"current one is {self._epoch})"
             )
         return _summed(list(self._epochs[base + 1 : base + _ROW]), epoch)
-
-
-# What each recorded entry of a state protects, and what to do when it differs.
-_MISMATCH = {
-    "seed": "the saved position counts in another order; make the dataset with "
-    "seed={saved} to resume it",
-    "shuffle": "the saved position counts in another order; make the dataset with "
-    "shuffle={saved} to resume it",
-    "samples": "the source holds another number of keys than when the state was saved, so "
-    "the position names other samples; resume over the same keys",
-    "key_digest": "the dataset's keys (or their order) changed since the state was saved, "
-    "so the position names other samples; resume over the same keys",
-    "world_size": "each rank's part of the epoch depends on the number of ranks, so the "
-    "position would repeat or skip samples; resume with {saved} ranks",
-    "rank": "each rank saves its own position; load on each rank the state that rank saved "
-    "(state_dict() of rank {saved})",
-}
-_DEFAULT_SHARD = (
-    " (no torch.distributed group is initialised and no rank and world_size were given: "
-    "initialise the group before load_state_dict(), or pass rank= and world_size=)"
-)
-
-
-def _whole(
-    name: str, value: object, most: int | None, *, in_state: bool = False, least: int | None = 0
-) -> int:
-    """``value`` as an int from ``least`` to ``most`` (None: no bound), or InvalidArgument
-    that names it: ``state['name']`` for an entry of a state, else ``name``."""
-    label = f"state[{name!r}]" if in_state else name
-    number: int | None = None
-    if not isinstance(value, bool):
-        with contextlib.suppress(TypeError):
-            number = operator.index(value)  # type: ignore[arg-type]
-    if number is None:
-        raise InvalidArgument(
-            f"{label}={value!r:.100}: an int was expected, not {type(value).__name__}; "
-            + ("pass the dict state_dict() returned, unchanged" if in_state else "pass an int")
-        )
-    if (least is not None and number < least) or (most is not None and number > most):
-        bound = " and ".join(
-            ([f">= {least}"] if least is not None else [])
-            + ([f"<= {most}"] if most is not None else [])
-        )
-        why = f" (this rank's epoch holds {most} samples: len(ds))" if name == "consumed" else ""
-        raise InvalidArgument(
-            f"{label}={number}: pass an int {bound}{why}"
-            + ("; pass the dict state_dict() returned, unchanged" if in_state else "")
-        )
-    return number
 
 
 def _loader_batch(caller: FrameType | None) -> int | None:
