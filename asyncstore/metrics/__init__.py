@@ -3,7 +3,8 @@
 Every store, :class:`~asyncstore.TieredCache`, :class:`~asyncstore.Prefetcher`,
 :class:`~asyncstore.Checkpointer` and ``asyncstore.torch.StreamingDataset`` of this process
 joins a weak registry when it is built and leaves it when it is closed or garbage-collected;
-:func:`snapshot` asks each for its ``stats()``::
+:func:`snapshot` asks each for its ``stats()``, and adds what a ``StreamingDataset``'s
+DataLoader workers published (see :mod:`asyncstore.metrics._workers`)::
 
     import asyncstore.metrics
 
@@ -57,11 +58,15 @@ class Component(msgspec.Struct, Generic[_S], frozen=True):
         name: what it works on, without credentials: the store's URL, the URL of the store
             under a cache or prefetcher, a checkpointer's URL, a dataset's source.
         stats: its ``stats()`` at the time of the snapshot.
+        worker: ``None`` for a component of this process; for the figures of a
+            ``StreamingDataset``'s DataLoader workers, the worker id (their figures summed
+            over every process that had that id: a worker's restarts, several loaders).
     """
 
     kind: str
     name: str
     stats: _S
+    worker: int | None = None
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -81,9 +86,16 @@ class Failure(msgspec.Struct, frozen=True):
 class Metrics(msgspec.Struct, frozen=True):
     """The figures of every live component of this process (see :func:`snapshot`).
 
-    Each list is sorted by name. A component shows in one list from its construction to its
-    close; the components a :class:`StreamingDataset` opens for itself (its store, cache and
-    prefetcher) show in their own lists too, so the dataset's nested figures repeat theirs.
+    Each list is sorted by name, then worker. A component shows in one list from its
+    construction to its close; the components a :class:`StreamingDataset` opens for itself
+    (its store, cache and prefetcher) show in their own lists too, so the dataset's nested
+    figures repeat theirs.
+
+    Read by a DataLoader with workers, a dataset's store, cache and prefetcher live in the
+    workers: each list then holds one entry per worker id too (:attr:`Component.worker`),
+    with what every process of that id counted since it started, exited ones included, for
+    as long as the dataset lives. Its dataset entries count every iteration of the worker's
+    (``samples`` and ``prefetch`` summed over them, ``cache`` since the worker started).
 
     Attributes:
         stores: :class:`StoreStats` of every store.
@@ -143,12 +155,28 @@ def snapshot() -> Metrics:
     Cheap (each component copies its counters), safe to call from any thread (a Prometheus
     scrape runs in its server's thread), and it never raises because of one component: a
     ``stats()`` that raises is listed in :attr:`Metrics.failures` and logged at DEBUG.
+
+    The figures of a ``StreamingDataset``'s DataLoader workers are read from the records
+    they publish (at most twice a second while they iterate, and at the end of each
+    iteration), so they lag theirs by up to half a second mid-epoch and are exact once an
+    epoch's loop ended.
     """
     lists: dict[str, list[Any]] = {
         kind: [] for kind in ("store", "cache", "prefetcher", "checkpointer", "dataset")
     }
     failures: list[Failure] = []
+    from ._workers import WorkerFigures  # here: it imports this module
+
     for component in _live():
+        if isinstance(component, WorkerFigures):
+            try:
+                for entry in component.components():
+                    lists[entry.kind].append(entry)
+            except Exception as exc:
+                error = _redact(f"{type(exc).__name__}: {exc}")
+                _logger.debug("figures of %s's workers failed: %s", component.name, error)
+                failures.append(Failure(kind="WorkerFigures", name=component.name, error=error))
+            continue
         try:
             stats = component.stats()
         except Exception as exc:
@@ -166,7 +194,7 @@ def snapshot() -> Metrics:
             kind = found
         lists[kind].append(Component(kind=kind, name=_name(component), stats=stats))
     for entries in lists.values():
-        entries.sort(key=lambda entry: entry.name)
+        entries.sort(key=lambda entry: (entry.name, -1 if entry.worker is None else entry.worker))
     return Metrics(
         stores=lists["store"],
         caches=lists["cache"],
