@@ -46,11 +46,13 @@ from .stores import (
     ObjectInfo,
     Reader,
     S3Config,
-    S3Store,
     Store,
     Writer,
     open_store,
 )
+
+if typing.TYPE_CHECKING:
+    from .stores.s3 import S3Store
 
 if typing.TYPE_CHECKING:
     from .checkpoint import Checkpointer, SaveHandle, SaveResult, load, save
@@ -102,34 +104,42 @@ __all__ = [
     "Checkpointer",
 ]
 
-_LAZY = {"save", "load", "SaveHandle", "SaveResult", "Checkpointer"}
+_LAZY = {"save", "load", "SaveHandle", "SaveResult", "Checkpointer", "S3Store"}
 
 
 def __getattr__(name: str) -> object:
-    # The checkpoint engine imports torch (seconds); pay for it only when it is used.
-    if name in _LAZY:
+    # The checkpoint engine imports torch (seconds), and the S3 store aiobotocore, botocore
+    # and aiohttp (most of a second): pay for them only when they are used.
+    if name == "S3Store":
+        from .stores import s3
+
+        value: object = s3.S3Store  # shown as asyncstore.S3Store by its module
+    elif name in _LAZY:
         from . import checkpoint
 
         value = getattr(checkpoint, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'asyncstore' has no attribute {name!r}")
+    else:
+        raise AttributeError(f"module 'asyncstore' has no attribute {name!r}")
+    globals()[name] = value
+    return value
 
 
-def _export() -> None:
-    # Show public names where users meet them (reprs, tracebacks, docs): asyncstore.S3Store,
+def _show_here(obj: object) -> None:
+    # Show a public name where users meet it (reprs, tracebacks, docs): asyncstore.S3Store,
     # not asyncstore.stores.s3.S3Store. msgspec Structs keep their module: msgspec resolves
     # their annotations in it.
     import msgspec
 
+    if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
+        return
+    if getattr(obj, "__module__", "").startswith("asyncstore."):
+        obj.__module__ = "asyncstore"
+
+
+def _export() -> None:
     for name in __all__:
-        if name in _LAZY:
-            continue
-        obj = globals()[name]
-        if isinstance(obj, type) and issubclass(obj, msgspec.Struct):
-            continue
-        if getattr(obj, "__module__", "").startswith("asyncstore."):
-            obj.__module__ = "asyncstore"
+        if name not in _LAZY:
+            _show_here(globals()[name])
 
 
 _export()

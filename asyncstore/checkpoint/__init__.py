@@ -1,12 +1,23 @@
-"""The streaming checkpoint engine: non-blocking saves, verified loads (needs torch)."""
+"""The streaming checkpoint engine: non-blocking saves, verified loads (needs torch).
 
-from ._format import FORMAT_VERSION, Manifest
-from ._handle import SaveHandle, SaveResult
-from ._inspect import CheckpointInfo, TensorInfo, inspect
-from ._load import load, read_manifest, verify
-from ._manager import Checkpointer, CheckpointerConfig, CheckpointerStats, VerifyReport, Version
-from ._save import save
-from ._staging import StagingPool, staging_pool
+Names are imported on first use: most of the engine imports torch (seconds), which a
+command line that only lists a run's versions never needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from ._format import FORMAT_VERSION, Manifest
+    from ._handle import SaveHandle, SaveResult
+    from ._inspect import CheckpointInfo, TensorInfo, inspect
+    from ._load import load, read_manifest, verify
+    from ._manager import Checkpointer, CheckpointerConfig, CheckpointerStats, VerifyReport
+    from ._save import save
+    from ._staging import StagingPool, staging_pool
+    from ._versions import Version
 
 __all__ = [
     "Checkpointer",
@@ -28,3 +39,38 @@ __all__ = [
     "Manifest",
     "FORMAT_VERSION",
 ]
+
+# Where each name lives.
+_HOMES = {
+    "FORMAT_VERSION": "_format",
+    "Manifest": "_format",
+    "SaveHandle": "_handle",
+    "SaveResult": "_handle",
+    "CheckpointInfo": "_inspect",
+    "TensorInfo": "_inspect",
+    "inspect": "_inspect",
+    "load": "_load",
+    "read_manifest": "_load",
+    "verify": "_load",
+    "Checkpointer": "_manager",
+    "CheckpointerConfig": "_manager",
+    "CheckpointerStats": "_manager",
+    "VerifyReport": "_manager",
+    "Version": "_versions",
+    "save": "_save",
+    "StagingPool": "_staging",
+    "staging_pool": "_staging",
+}
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'asyncstore.checkpoint' has no attribute {name!r}")
+    value: object = getattr(importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

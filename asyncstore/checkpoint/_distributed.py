@@ -14,25 +14,23 @@ save wrote there (named so, and starting with the checkpoint magic; see
 
 ``.metadata`` is ``MAGIC``, the xxh3-64 of the pickle (little-endian), then the pickle. It is
 read with an unpickler that builds only what DCP's metadata is made of (its dataclasses,
-``torch.Size``, dtypes, layouts): a crafted file cannot run code, and a damaged one fails
-its checksum.
+``torch.Size``, dtypes, layouts; see :mod:`._dcpunpickle`): a crafted file cannot run code,
+and a damaged one fails its checksum. This module imports torch only to read or write a
+``.metadata``: listing a run's versions does not need it.
 """
 
 from __future__ import annotations
 
-import enum
-import io
 import pickle
 import re
 import struct
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from ..errors import IntegrityError, NotFound
 from ..stores import CleansUpWrites, Store
 from . import _format as fmt
-from ._unpickle import BoundedUnpickler
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import Metadata
@@ -63,64 +61,6 @@ def encode_metadata(metadata: Metadata) -> bytes:
     return _HEADER.pack(MAGIC, xxhash.xxh3_64_intdigest(data)) + data
 
 
-class _MetadataUnpickler(BoundedUnpickler):
-    """Builds DCP's metadata classes and the torch values they hold; nothing else.
-
-    The pure-Python unpickler with lengths checked against the pickle (see
-    :class:`BoundedUnpickler`): the C one allocates whatever length a crafted ``BINBYTES8``
-    claims before it finds the bytes missing.
-    """
-
-    def __init__(self, data: bytes, where: str) -> None:
-        super().__init__(io.BytesIO(data), where)
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-        import torch.distributed.checkpoint.metadata as dcp_metadata
-        import torch.serialization
-
-        value: Any = None
-        if module == "torch.distributed.checkpoint.metadata":
-            value = getattr(dcp_metadata, name, None)
-            if not isinstance(value, type) or value.__module__ != module:
-                value = None
-        elif module == "torch" and name == "Size":
-            value = torch.Size
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            value = getattr(torch, name)
-        elif module == "torch.serialization" and name == "_get_layout":
-            value = torch.serialization._get_layout
-        elif module == "collections" and name == "OrderedDict":
-            import collections
-
-            value = collections.OrderedDict
-        elif module == "builtins" and name == "getattr":
-            # Python 3.11.0-3.11.3 pickle an enum member as getattr(cls, name): taken for
-            # the metadata's own enums only, never as getattr in general.
-            value = self._enum_member
-        if value is None:
-            raise IntegrityError(
-                f"{self._where} names {module}.{name}, which DCP metadata does not hold: "
-                "it was not written by asyncstore.torch.dcp; refusing to build it"
-            )
-        return value
-
-    def _enum_member(self, cls: object, name: object) -> Any:
-        if not (
-            isinstance(cls, type)
-            and issubclass(cls, enum.Enum)
-            and cls.__module__ == "torch.distributed.checkpoint.metadata"
-            and isinstance(name, str)
-            and name in cls.__members__
-        ):
-            raise IntegrityError(
-                f"{self._where} asks for getattr({cls!r:.80}, {name!r:.80}), which is not a "
-                "member of a DCP metadata enum: it was not written by asyncstore.torch.dcp; "
-                "refusing to build it"
-            )
-        return cls[name]
-
-
 def decode_metadata(data: bytes, where: str) -> Metadata:
     """The ``Metadata`` in ``.metadata``'s bytes (read from ``where``, for messages).
 
@@ -128,6 +68,8 @@ def decode_metadata(data: bytes, where: str) -> Metadata:
         IntegrityError: the bytes are damaged, or are not asyncstore's DCP metadata.
     """
     from torch.distributed.checkpoint.metadata import Metadata
+
+    from ._dcpunpickle import MetadataUnpickler
 
     if len(data) < _HEADER.size or data[: len(MAGIC)] != MAGIC:
         raise IntegrityError(
@@ -139,7 +81,7 @@ def decode_metadata(data: bytes, where: str) -> Metadata:
     if xxhash.xxh3_64_intdigest(body) != digest:
         raise IntegrityError(f"{where} does not match its checksum: the file is damaged")
     try:
-        metadata = _MetadataUnpickler(bytes(body), where).load()
+        metadata = MetadataUnpickler(bytes(body), where).load()
     except IntegrityError:
         raise
     except Exception as exc:  # a pickle that passed its checksum but does not build

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from ._common import add_json, emit, fail, table
-from ._demorun import DemoConfig, DemoFailed, run_demo
 from ._runs import parse_option, store_options
 
 __all__ = ["DEFAULT_DEMO_DIR", "register"]
@@ -115,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             f"--kill-at-step {kill}: the run has {steps} steps "
             f"({args.epochs} epochs of {-(-args.samples // args.batch_size)}); pick fewer"
         )
+    # The demo trains a model: torch is imported here, not when the command line starts.
+    from ._demorun import DemoConfig, DemoFailed, run_demo
+
     with contextlib.ExitStack() as stack:
         if args.s3:
             from ..testing import SeaweedFS

@@ -10,8 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..errors import InvalidArgument, NotFound
-from ..stores import open_store
+from ..errors import IntegrityError, InvalidArgument, NotFound
+from ..stores import Store, open_store
 from ..stores._open import is_local, local_path, options_from_text
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "human_bytes",
     "locate",
     "parse_option",
+    "read_manifest",
     "store_options",
     "versions_of",
 ]
@@ -111,11 +112,57 @@ class Located(msgspec.Struct, frozen=True):
 
 
 async def versions_of(url: str, options: dict[str, Any]) -> list[Any]:
-    """The versions of the run at ``url`` (``Version``s, oldest first; empty when none)."""
-    from ..checkpoint import Checkpointer
+    """The versions of the run at ``url`` (``Version``s, oldest first; empty when none):
+    what ``Checkpointer(url).versions()`` gives, read from the listing and each version's
+    footer and manifest alone, without importing torch (which takes seconds) and without
+    creating the run's directory."""
+    from ..checkpoint._versions import in_save_order, saved_of, scan
 
-    async with Checkpointer(url, store_options=options) as checkpointer:
-        return await checkpointer.versions()
+    described = []
+    async with open_store(url, **options) as store:
+        listed, _ = await scan(store)
+        for version in listed:
+            if version.kind == "dcp":  # its ranks' manifests are not read for a listing
+                described.append(msgspec.structs.replace(version, stored_bytes=version.size))
+                continue
+            try:
+                manifest = await read_manifest(store, version.key, version.size)
+            except NotFound:
+                continue  # deleted since it was listed
+            except IntegrityError:
+                described.append(msgspec.structs.replace(version, state="damaged"))
+                continue
+            described.append(
+                msgspec.structs.replace(
+                    version,
+                    raw_bytes=manifest.raw_bytes,
+                    stored_bytes=manifest.stored_bytes,
+                    saved=saved_of(manifest),
+                )
+            )
+    return in_save_order(described)
+
+
+async def read_manifest(store: Store, key: str, size: int) -> Any:
+    """The verified manifest (a ``Manifest``) of the checkpoint object ``key`` of ``size``
+    bytes: two ranged reads, its footer and its manifest, and no torch.
+
+    Raises:
+        IntegrityError: it is not an asyncstore checkpoint, or it is damaged.
+        NotFound: it is not there.
+    """
+    from ..checkpoint import _format as fmt
+
+    where = f"{store.url}/{key}"
+    footer = None
+    if size >= fmt.FOOTER_SIZE:
+        footer = fmt.decode_footer(await store.get(key, size - fmt.FOOTER_SIZE, size), where)
+    if footer is None:
+        raise IntegrityError(f"{where} is not an asyncstore checkpoint")
+    end = footer.manifest_offset + footer.manifest_length
+    if end > size - fmt.FOOTER_SIZE:
+        raise IntegrityError(f"{where}: the footer points past the end of the checkpoint")
+    return fmt.decode_manifest(await store.get(key, footer.manifest_offset, end), footer, where)
 
 
 async def locate(url: str, options: dict[str, Any], step: int | None) -> Located:

@@ -14,9 +14,9 @@ from .._config import build
 from ..errors import InvalidArgument, InvalidURL
 from ._base import Store
 from ._keys import check_prefix
+from ._s3config import S3Config
 from .local import LocalConfig, LocalStore
 from .memory import MemoryStore
-from .s3 import S3Config, S3Store
 
 C = TypeVar("C", bound=msgspec.Struct)
 
@@ -103,6 +103,10 @@ def open_store(url: str | os.PathLike[str], **options: typing.Any) -> Store:
                     f"endpoint_url {_redact(endpoint)!r} for {shown} is not an http(s) URL; "
                     "use for example http://127.0.0.1:8333"
                 )
+        # Imported here: aiobotocore, botocore and aiohttp take a while to import, and a
+        # program (or a command line) that opens only local stores never needs them.
+        from .s3 import S3Store
+
         return S3Store(bucket, prefix, config)
     raise InvalidURL(f"unknown scheme {parts.scheme!r} in store URL {shown!r}; use {_SCHEMES}")
 

@@ -25,7 +25,7 @@ from ._s3fast import SignedGetter
 from ._s3responses import describe
 
 if TYPE_CHECKING:
-    from .s3 import S3Config
+    from ._s3config import S3Config
 
 
 def resolved_endpoint(config: S3Config) -> str | None:

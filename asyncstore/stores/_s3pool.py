@@ -29,7 +29,7 @@ from ._s3client import open_client, open_getter
 from ._s3fast import SignedGetter
 
 if TYPE_CHECKING:
-    from .s3 import S3Config
+    from ._s3config import S3Config
 
 __all__ = ["Lease", "acquire", "release"]
 
