@@ -247,6 +247,9 @@ class Rank:
     def __init__(self, config: dict[str, Any]) -> None:
         self.config = config
         self.rank = dist.get_rank()
+        # async_save's collectives on a group of their own, as the plugin requires of a
+        # background save (and as PyTorch advises): the same for both writers.
+        self.save_group = dist.new_group(backend="gloo")
         self.tmp = Path(config["tmp"])
         mesh = init_device_mesh("cpu", (WORLD,))
         self.state = sharded_state(config["bytes"], config["tensors"], mesh, self.rank)
@@ -333,7 +336,7 @@ class Rank:
         self.settle()
         writer = self.writer(kind, str(path))
         started = self.start()
-        response = dcp_async_save(self.state, storage_writer=writer)
+        response = dcp_async_save(self.state, storage_writer=writer, process_group=self.save_group)
         self.note(f"local {kind} async blocking", time.perf_counter() - started)
         future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
         assert isinstance(future, Future)
@@ -509,7 +512,11 @@ class Rank:
             dcp_save(self.state, storage_writer=self.writer("plugin", str(path)))
 
         def async_save() -> None:
-            response = dcp_async_save(self.state, storage_writer=self.writer("plugin", str(path)))
+            response = dcp_async_save(
+                self.state,
+                storage_writer=self.writer("plugin", str(path)),
+                process_group=self.save_group,
+            )
             future = (
                 response.upload_completion if isinstance(response, AsyncSaveResponse) else response
             )

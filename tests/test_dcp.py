@@ -266,7 +266,9 @@ with at.Checkpointer(
             state = sharded({k: v.clone() for k, v in values.items()}, step)
             writer = ckpt.dcp_writer(step)
             if step in job.get("async", ()):
-                future = state_dict_saver.async_save(state, storage_writer=writer)
+                future = state_dict_saver.async_save(
+                    state, storage_writer=writer, process_group=ckpt.dcp_group()
+                )
                 for tensor in (state["model"]["rows"], state["optim"]["state"]["rows"]["exp_avg"]):
                     tensor.to_local().add_(1.0)  # the next training step goes on at once
                 future.result(timeout=120)

@@ -579,10 +579,28 @@ class Checkpointer(AsyncResource):
         # Steps that writers of this process are still saving (not committed, not dropped).
         return {w.step for w in list(self._dcp_writers) if not w.committed}
 
-    async def _dcp_committed(self, step: int) -> None:
+    def _dcp_written(self, result: SaveResult) -> None:
+        # This rank's object of a distributed save is written (on the loop, as _count).
+        self._stats.bytes_written += result.stored_bytes
+        self._stats.bytes_skipped += result.skipped_bytes
+
+    async def _dcp_counted(self, blocking: float, total: float | None) -> None:
+        # A distributed save through dcp_save/dcp_async_save ended on this rank (``total``
+        # None: it failed), counted on every rank, as a save() is.
+        stats = self._stats
+        if total is None:
+            stats.failed += 1
+            return
+        stats.saves += 1
+        stats.blocking_seconds += blocking
+        stats.last_blocking_seconds = blocking
+        stats.last_total_seconds = total
+
+    async def _dcp_committed(self, step: int, *, count: bool = True) -> None:
         # A distributed version of ``step`` is complete (its .metadata written): it replaces
         # a single-object version of that step; what killed distributed saves of earlier
-        # steps left goes; retention runs, as after save().
+        # steps left goes; retention runs, as after save(). ``count``: the save was made
+        # with DCP directly, and is counted here, on the coordinator only.
         key = version_key(step)
         await self._store.delete(key)
         self._packs.forget(self._store, key)
@@ -591,7 +609,8 @@ class Checkpointer(AsyncResource):
         for earlier in unfinished:
             if earlier < step and earlier not in writing:
                 await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
-        self._stats.saves += 1
+        if count:
+            self._stats.saves += 1
         self._tasks.spawn(self._retain(), name="retention", detached=True)
 
     async def gc(self) -> int:

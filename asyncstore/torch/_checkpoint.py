@@ -7,7 +7,6 @@ import concurrent.futures
 import io
 import logging
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
@@ -23,16 +22,16 @@ from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
 from ..checkpoint._target import resolve as _resolve
 from ..errors import (
-    IntegrityError,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     StoreError,
     StoreUnavailable,
 )
+from ._dcpmethods import DistributedMethods
 
 if TYPE_CHECKING:
-    from . import dcp
+    pass
 
 __all__ = ["Checkpointer", "save", "save_async", "load", "export"]
 
@@ -177,42 +176,7 @@ async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> s
         await target.aclose()
 
 
-def _agreed(find: Callable[[], int], group: Any = None) -> int:
-    """``find()`` on rank 0, broadcast to every rank of ``group`` (the default group when
-    ``None``; its error too, raised on every rank); in one process, ``find()``."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return find()
-    outcome: list[Any] = [None]
-    error: BaseException | None = None
-    if dist.get_rank() == 0:
-        try:
-            outcome[0] = ("ok", find())
-        except Exception as exc:  # told to every rank, which would wait forever otherwise
-            error = exc
-            kind = (
-                "missing"
-                if isinstance(exc, NotFound)
-                else "damaged"
-                if isinstance(exc, IntegrityError)
-                else "failed"
-            )
-            outcome[0] = (kind, str(exc))
-    dist.broadcast_object_list(outcome, src=0, group=group)
-    kind, value = outcome[0]
-    if error is not None:
-        raise error
-    if kind == "missing":
-        raise NotFound(value)
-    if kind == "damaged":
-        raise IntegrityError(value)
-    if kind == "failed":
-        raise StoreError(f"rank 0 could not find the version to load: {value}")
-    return int(value)
-
-
-class Checkpointer:
+class Checkpointer(DistributedMethods):
     """:class:`asyncstore.Checkpointer` for synchronous training loops.
 
     The same options and methods; each returns at the same moment as the async one, and
@@ -230,6 +194,7 @@ class Checkpointer:
         self._ckpt = _AsyncCheckpointer(url, **options)
         self._closed = False
         self._group: Any = None  # the gloo group of DCP's collectives, made on first use
+        self._dcp_pending: concurrent.futures.Future[Any] | None = None
 
     @property
     def url(self) -> str:
@@ -278,243 +243,15 @@ class Checkpointer:
         """What this checkpointer did so far: saves, seconds, bytes, deletions."""
         return self._ckpt.stats()
 
-    # -- torch.distributed.checkpoint ----------------------------------------------------------
-
-    def dcp_writer(self, step: int) -> dcp.StorageWriter:
-        """A ``torch.distributed.checkpoint`` storage writer that saves the distributed
-        version of ``step``: on every rank, ``dcp.save(state,
-        storage_writer=ckpt.dcp_writer(step))`` (or ``dcp.async_save``).
-
-        Each rank writes its shards under ``step-000001000.dcp/`` with this checkpointer's
-        compression, staging and priority; the version exists once the coordinator has
-        written its ``.metadata``. Then, on the coordinator, it replaces a single-object
-        version of the same step, what killed distributed saves of earlier steps left is
-        removed, and retention runs in the background as after :meth:`save` (closing the
-        checkpointer waits for it).
-
-        Raises:
-            InvalidArgument: ``step`` is not an int >= 0, or the checkpointer has a mirror
-                (every rank writes straight to the run's store: point the checkpointer at
-                the shared store instead).
-        """
-        from . import dcp
-
-        ckpt = self._ckpt
-        step = ckpt._check_step(step)
-        if ckpt._mirror is not None:
-            raise InvalidArgument(
-                f"dcp_writer: the checkpointer at {ckpt.url} has a mirror, which distributed "
-                "saves do not use (every rank writes straight to the store): point a "
-                "Checkpointer without mirror at the shared store (s3://...) instead"
-            )
-        run_sync(ckpt._ensure_open())
-        config = ckpt.config
-        writer = dcp._VersionWriter(
-            ckpt._dcp_url(step),
-            step=step,
-            on_commit=lambda: run_sync(ckpt._dcp_committed(step)),
-            store_options=ckpt._store_options,
-            compression=config.compression,
-            staging_bytes=config.staging_bytes,
-            priority=config.priority,
-            chunk_bytes=config.chunk_bytes,
-        )
-        ckpt._dcp_writers.add(writer)
-        return writer
-
-    def dcp_group(self) -> Any:
-        """The process group this checkpointer's distributed saves and loads run their
-        collectives on: a gloo group of every rank of the default group, made on first use
-        (collectively: every rank calls the ``dcp_*`` methods in the same order, as DCP
-        needs anyway); ``None`` outside an initialized process group.
-
-        A group of its own, because DCP's collectives must not share a group with the
-        training's: an ``async_save`` on the default group runs its collectives on a
-        background thread while DDP's backward all-reduces on the same group, and on gloo
-        the two interleave and deadlock (PyTorch's advice is a separate group for
-        checkpoint collectives). Pass it as ``process_group=`` when calling DCP directly.
-        """
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()):
-            return None
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
-
-    def dcp_save(self, state: dict[str, Any], step: int, *, planner: Any = None) -> None:
-        """Save ``state`` as the distributed version of ``step``, on every rank
-        (collectively), returning once it is committed: ``dcp.save`` with
-        :meth:`dcp_writer` and :meth:`dcp_group`. ``planner`` goes to ``dcp.save``.
-
-        Raises:
-            InvalidArgument: as :meth:`dcp_writer`.
-        """
-        from torch.distributed.checkpoint import state_dict_saver
-
-        state_dict_saver.save(
-            state,
-            storage_writer=self.dcp_writer(step),
-            planner=planner,
-            process_group=self.dcp_group(),
-        )
-
-    def dcp_async_save(
-        self, state: dict[str, Any], step: int, *, planner: Any = None
-    ) -> concurrent.futures.Future[Any]:
-        """Save ``state`` as the distributed version of ``step`` in the background, on
-        every rank (collectively): ``dcp.async_save`` with :meth:`dcp_writer` and
-        :meth:`dcp_group`, so that its collectives never meet the training's (the default
-        group's DDP all-reduces). Returns once ``state`` is staged (copied): training may
-        change it at once. Wait for the returned future before the next save.
-
-        Raises:
-            InvalidArgument: as :meth:`dcp_writer`.
-        """
-        from torch.distributed.checkpoint import state_dict_saver
-
-        future = state_dict_saver.async_save(
-            state,
-            storage_writer=self.dcp_writer(step),
-            planner=planner,
-            process_group=self.dcp_group(),
-        )
-        assert isinstance(future, concurrent.futures.Future)
-        return future
-
-    def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
-        """A ``torch.distributed.checkpoint`` storage reader of the distributed version of
-        ``step``, or of the newest one whose ``.metadata`` verifies: on every rank,
-        ``dcp.load(state, storage_reader=ckpt.dcp_reader())``. :meth:`dcp_load` does the
-        same and falls back to an older version when a rank finds the newest damaged.
-
-        With ``step=None`` under an initialized process group, rank 0 finds the version and
-        tells the others (collectively: call it on every rank), so that every rank loads the
-        same version even if a save commits meanwhile.
-
-        Raises:
-            NotFound: there is no distributed version (of ``step``, or at all).
-            IntegrityError: with ``step=None``, no version's ``.metadata`` verifies.
-            InvalidArgument: ``step`` is not an int >= 0.
-        """
-        from . import dcp
-
-        ckpt = self._ckpt
-        if step is not None:
-            step = ckpt._check_step(step)
-        found = self._agreed_dcp(step, {})
-        return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
-
-    def dcp_load(
-        self, state: dict[str, Any], step: int | None = None, *, planner: Any = None
-    ) -> int:
-        """Load a distributed version into ``state`` in place, on every rank (collectively),
-        and return its step: ``step = ckpt.dcp_load(state)``.
-
-        With ``step=None``, the newest version that loads whole. Rank 0 passes over versions
-        whose ``.metadata`` does not verify; when any rank finds a chunk damaged or a rank
-        object missing during the load (DCP reports every rank's failure to all of them),
-        the version is marked damaged, a warning names it and what failed, and every rank
-        loads the next older version, which fills every entry of ``state`` again. With
-        ``step``, that version only. ``planner`` goes to ``dcp.load``.
-
-        Raises:
-            NotFound: there is no distributed version (of ``step``, or at all).
-            IntegrityError: the version of ``step`` is damaged, or every version is (each
-                named with what failed).
-            InvalidArgument: ``step`` is not an int >= 0.
-            torch.distributed.checkpoint.api.CheckpointException: any other failure of the
-                load (say, a ``state`` whose shapes are not the checkpoint's), as
-                ``dcp.load`` raises it.
-        """
-        from torch.distributed.checkpoint import state_dict_loader
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from . import dcp
-
-        ckpt = self._ckpt
-        if step is not None:
-            step = ckpt._check_step(step)
-        failed: dict[int, str] = {}  # step -> what failed (rank 0's copy decides)
-        while True:
-            found = self._agreed_dcp(step, failed)
-            url = ckpt._dcp_url(found)
-            reader = dcp.StorageReader(url, store_options=ckpt._store_options)
-            try:
-                state_dict_loader.load(
-                    state, storage_reader=reader, planner=planner, process_group=self.dcp_group()
-                )
-            except CheckpointException as exc:
-                damage = [
-                    (rank, error)
-                    for rank, (error, _) in sorted(exc.failures.items())
-                    if isinstance(error, IntegrityError | NotFound)
-                ]
-                if not damage:
-                    raise
-                rank, error = damage[0]
-                why = f"rank {rank}: {error}"
-                ckpt._dcp_damaged(found)
-                if step is not None:
-                    raise IntegrityError(f"step {found} ({url}) does not load: {why}") from None
-                failed[found] = why
-                logger.warning("%s does not load (%s); loading an older version", url, why)
-            else:
-                return found
-
-    def _agreed_dcp(self, step: int | None, failed: dict[int, str]) -> int:
-        # The version every rank loads: ``step``'s, or the newest that may load (rank 0's
-        # choice, collectively under a process group).
-        group = self.dcp_group()
-        if step is not None:
-            return _agreed(lambda: self._dcp_versions(step)[-1].step, group)
-        return _agreed(lambda: self._loadable_dcp(failed), group)
-
-    def _dcp_versions(self, step: int | None) -> list[Version]:
-        # The distributed versions (of ``step`` only, when given), oldest first.
-        versions = [v for v in self.versions() if v.kind == "dcp"]
-        if step is not None:
-            versions = [v for v in versions if v.step == step]
-        if not versions:
-            which = "of step {step}" if step is not None else "at all"
-            raise NotFound(
-                f"{self.url} holds no distributed version {which.format(step=step)} "
-                "(step-*.dcp/ with its .metadata): save one with dcp_writer(step)"
-            )
-        return versions
-
-    def _loadable_dcp(self, failed: dict[int, str]) -> int:
-        # The newest distributed version not known to be damaged whose .metadata verifies.
-        from . import dcp
-
-        ckpt = self._ckpt
-        for version in reversed(self._dcp_versions(None)):
-            step = version.step
-            if step in failed:
-                continue
-            url = ckpt._dcp_url(step)
-            if version.state == "damaged":
-                failed[step] = "found damaged earlier"
-                continue
-            try:
-                dcp.StorageReader(url, store_options=ckpt._store_options).read_metadata()
-            except (IntegrityError, NotFound) as exc:  # NotFound: deleted since it was listed
-                failed[step] = str(exc)
-                if isinstance(exc, IntegrityError):
-                    ckpt._dcp_damaged(step)
-                    logger.warning("%s is damaged (%s); passing over it", url, exc)
-                continue
-            return step
-        raise IntegrityError(
-            f"no distributed version of {self.url} loads: "
-            + "; ".join(f"step {s}: {why}" for s, why in sorted(failed.items(), reverse=True))
-        )
-
     def close(self) -> None:
-        """Wait for the saves' retention and release the store; closing twice is harmless."""
+        """Wait for the last :meth:`dcp_async_save` and the saves' retention, and release
+        the store; closing twice is harmless."""
         if not self._closed:
             self._closed = True
-            run_sync(self._ckpt.aclose())
+            try:
+                self._dcp_wait()
+            finally:
+                run_sync(self._ckpt.aclose())
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES
 from .._loop import run_sync
+from ..checkpoint import SaveResult
 from ..checkpoint import load as _load
 from ..checkpoint import save as _save
 from ..checkpoint._distributed import (
@@ -66,6 +67,7 @@ from ..errors import (
     _plain,
 )
 from ..stores import Store, open_store
+from ._dcpguard import refuse_shared_group, refuse_untaken, untaken_optimizer_entries
 
 _logger = logging.getLogger("asyncstore.checkpoint")
 
@@ -181,9 +183,20 @@ class StorageWriter(_StorageWriter):
         if self.url is None:
             raise InvalidArgument("StorageWriter has no URL: pass one, or a checkpoint_id")
 
+    def __bool__(self) -> bool:
+        # DCP's save asks ``if storage_writer:`` first thing, on the thread it saves on and
+        # before any collective: the one moment a save that would hang (a background save on
+        # the default group) can be refused on every rank without a collective to report it
+        # (set_up_storage_writer runs inside the first one, whose gather of the error could
+        # itself meet DDP's all-reduces).
+        refuse_shared_group(self.url or "the checkpoint")
+        return True
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Start a save on this rank (DCP calls this on every rank for every save): note
         whether the rank writes the metadata, and name the object it writes anew."""
+        assert self.url is not None
+        refuse_shared_group(self.url)
         self.is_coordinator = is_coordinator
         rank = kwargs.get("rank")
         if not isinstance(rank, int):
@@ -238,7 +251,10 @@ class StorageWriter(_StorageWriter):
 
     async def _write(self, target: str, entries: dict[str, torch.Tensor]) -> None:
         handle = await _save(entries, target, **self._save_options)
-        await handle
+        self._written(await handle)
+
+    def _written(self, result: SaveResult) -> None:
+        """Called on each rank once its object is written."""
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Write DCP's metadata (the coordinator, once every rank has written): the
@@ -263,12 +279,23 @@ class _VersionWriter(StorageWriter):
     run: ``on_commit`` runs on the coordinator once the version is complete."""
 
     def __init__(
-        self, url: str, *, step: int, on_commit: Callable[[], None], **options: Any
+        self,
+        url: str,
+        *,
+        step: int,
+        on_commit: Callable[[], None],
+        on_written: Callable[[SaveResult], None],
+        **options: Any,
     ) -> None:
         super().__init__(url, **options)
         self.step = step
         self.committed = False  # read by the checkpointer: its step is not a leftover
+        self.counted = False  # set by a caller that counts the save itself (dcp_save)
         self._on_commit = on_commit
+        self._on_written = on_written
+
+    def _written(self, result: SaveResult) -> None:
+        self._on_written(result)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start the version's save; it has its own place, so ``checkpoint_id`` must be
@@ -321,6 +348,10 @@ class StorageReader(_StorageReader):
         store_options: options for :func:`asyncstore.open_store`.
         weights_only: check every non-tensor value with torch's restricted unpickler before
             DCP unpickles it (:class:`~asyncstore.UnsafeCheckpoint` if it refuses).
+        partial_optimizer: allow a load that takes an optimizer's ``param_groups`` but not
+            every saved entry of its ``state`` (by default :class:`~asyncstore.InvalidArgument`
+            names the entries left out: a template from a fresh optimizer's ``state_dict()``
+            has no moments, and DCP would skip AdamW's ``exp_avg`` without a word).
     """
 
     def __init__(
@@ -329,12 +360,19 @@ class StorageReader(_StorageReader):
         *,
         store_options: dict[str, Any] | None = None,
         weights_only: bool = True,
+        partial_optimizer: bool = False,
     ) -> None:
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageReader")
-        if not isinstance(weights_only, bool):
-            raise InvalidArgument(f"StorageReader: weights_only={weights_only!r}: pass a bool")
+        for name, flag in (
+            ("weights_only", weights_only),
+            ("partial_optimizer", partial_optimizer),
+        ):
+            if not isinstance(flag, bool):
+                raise InvalidArgument(f"StorageReader: {name}={flag!r}: pass a bool")
         self.weights_only = weights_only
+        self.partial_optimizer = partial_optimizer
+        self._names: list[str] = []  # every entry the checkpoint holds (DCP's flat names)
         self.storage_data: dict[Any, tuple[str, str]] = {}
         self._saved: dict[tuple[str, tuple[int, ...]], tuple[tuple[int, ...], torch.dtype]] = {}
 
@@ -366,6 +404,7 @@ class StorageReader(_StorageReader):
     ) -> None:
         """Keep where every item lies, and each saved shard's shape and dtype."""
         self.storage_data = dict(metadata.storage_data or {})
+        self._names = list(metadata.state_dict_metadata)
         self._saved = {}
         for fqn, meta in metadata.state_dict_metadata.items():
             if isinstance(meta, TensorStorageMetadata):
@@ -378,7 +417,12 @@ class StorageReader(_StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        """Every rank's plan, unchanged."""
+        """Every rank's plan, unchanged, once it is clear that together they take every
+        saved entry of each optimizer state they load (unless ``partial_optimizer``)."""
+        if not self.partial_optimizer:
+            assert self.url is not None
+            asked = {item.storage_index.fqn for plan in plans for item in plan.items}
+            refuse_untaken(self.url, untaken_optimizer_entries(self._names, asked))
         return plans
 
     def _entry(self, item: ReadItem) -> tuple[str, str]:

@@ -1,0 +1,113 @@
+"""Two mistakes the DCP plugin refuses before they cost a job: collectives on the training's
+process group from a background thread (a hang), and a load that leaves part of a saved
+optimizer state out (a silent loss of its moments)."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any
+
+from ..errors import InvalidArgument
+
+__all__ = ["refuse_shared_group", "refuse_untaken", "untaken_optimizer_entries"]
+
+# How far up the stack DCP's save keeps the process group it was given: ``save``'s own
+# ``process_group`` argument, or ``distW`` (its ``_DistWrapper``) further in. Bounded, so that
+# a change in DCP costs a missed check, never a hang.
+_FRAMES = 16
+
+
+def _save_group() -> tuple[bool, Any]:
+    """(found, group) of the DCP save that called the writer: ``group`` is what was passed
+    as ``process_group`` (``None``: the default group)."""
+    frame: FrameType | None = sys._getframe(2)
+    for _ in range(_FRAMES):
+        if frame is None:
+            break
+        names = frame.f_locals
+        wrapper = names.get("distW")
+        if wrapper is not None and hasattr(wrapper, "group"):
+            return True, wrapper.group
+        code = frame.f_code
+        if (
+            code.co_name == "save"
+            and code.co_filename.endswith("state_dict_saver.py")
+            and "process_group" in names
+        ):
+            return True, names["process_group"]
+        frame = frame.f_back
+    return False, None
+
+
+def refuse_shared_group(url: str) -> None:
+    """Raise when a distributed save runs its collectives on the default process group from
+    a thread other than the main one: what ``dcp.async_save(state, storage_writer=...)``
+    without ``process_group`` does. Every rank makes the same call, so every rank raises
+    here, before DCP's first collective (see :class:`~asyncstore.torch.dcp.StorageWriter`'s
+    ``__bool__``): the save fails at once instead of hanging.
+
+    On the default group, the background thread's collectives and the training's own (DDP's
+    backward all-reduces, a metric's all_reduce) interleave in a different order on each
+    rank; gloo then deadlocks (reproduced: a 2-rank DDP job hangs at its first save).
+    """
+    import torch.distributed as dist
+
+    if threading.current_thread() is threading.main_thread():
+        return
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    found, group = _save_group()
+    if not found:
+        return
+    from torch.distributed.distributed_c10d import _get_default_group
+
+    if group is not None and group is not _get_default_group():
+        return
+    raise InvalidArgument(
+        f"the distributed save of {url} runs on a background thread with the default process "
+        "group, where the training's own collectives (DDP's all-reduces) run too: on gloo the "
+        "two interleave and the job hangs. Use ckpt.dcp_async_save(state, step) or "
+        "ckpt.save_training_state(...), or pass process_group=ckpt.dcp_group() to "
+        "dcp.async_save"
+    )
+
+
+def untaken_optimizer_entries(saved: Iterable[str], requested: Iterable[str]) -> list[str]:
+    """The saved entries of an optimizer's state that a load does not ask for, although it
+    asks for that optimizer's ``param_groups``: a template made from a fresh optimizer's
+    ``state_dict()`` (which has no moments yet) loads the learning rates and silently skips
+    AdamW's ``exp_avg`` and ``exp_avg_sq``.
+
+    ``saved`` and ``requested`` are DCP's flattened names (``optim.state.fc.weight.exp_avg``,
+    ``optim.param_groups.0.lr``); an optimizer is any prefix ``P`` with ``P.param_groups.*``
+    entries, its state the entries under ``P.state.``.
+    """
+    asked = set(requested)
+    prefixes = {
+        name.partition("param_groups.")[0]
+        for name in asked
+        if name.startswith("param_groups.") or ".param_groups." in name
+    }
+    return sorted(
+        name
+        for name in saved
+        if name not in asked and any(name.startswith(f"{prefix}state.") for prefix in prefixes)
+    )
+
+
+def refuse_untaken(url: str, untaken: list[str]) -> None:
+    """Raise for the entries :func:`untaken_optimizer_entries` found, if any."""
+    if not untaken:
+        return
+    shown = ", ".join(untaken[:4]) + (f", … ({len(untaken)} in all)" if len(untaken) > 4 else "")
+    raise InvalidArgument(
+        f"{url} holds optimizer state that the state being loaded does not ask for ({shown}): "
+        "the load would leave it out and the optimizer would go on without it. Build the "
+        "state with torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer), "
+        "which creates the optimizer's moments for the load to fill, or use "
+        "ckpt.load_training_state(model, optimizer); to load only part of it on purpose, "
+        "pass partial_optimizer=True"
+    )
