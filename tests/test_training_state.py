@@ -9,10 +9,13 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.checkpoint.api import CheckpointException
 
 import asyncstore.torch
 from asyncstore import InvalidArgument, NotFound
+from asyncstore.metrics import prometheus
 
 from .ranks import spawn_ranks, wait_ranks
 
@@ -133,6 +136,15 @@ def test_distributed_saves_are_counted_in_stats(tmp_path: Path) -> None:
             ckpt.save_training_state(step, model, optimizer).result(timeout=120)
         ckpt.dcp_save({"model": model.state_dict()}, 3)
         stats = ckpt.stats()
+        registry = CollectorRegistry()
+        prometheus.register(registry)
+        scraped = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(generate_latest(registry).decode())
+            for sample in family.samples
+            if sample.labels.get("component") == "checkpointer"
+            and sample.labels.get("name") == ckpt.url
+        }
     rank_objects = sorted((tmp_path / "run").glob("step-*.dcp/__0_*.ckpt"))
     assert len(rank_objects) == 3
     assert stats.saves == 3
@@ -140,6 +152,11 @@ def test_distributed_saves_are_counted_in_stats(tmp_path: Path) -> None:
     assert stats.bytes_written == sum(path.stat().st_size for path in rank_objects)
     assert 0 < stats.last_blocking_seconds <= stats.last_total_seconds
     assert stats.blocking_seconds >= stats.last_blocking_seconds
+    # Prometheus shows the same figures.
+    assert scraped["asyncstore_checkpoint_saves_total"] == 3
+    assert scraped["asyncstore_checkpoint_bytes_written_total"] == stats.bytes_written
+    assert scraped["asyncstore_checkpoint_blocking_seconds_total"] == stats.blocking_seconds
+    assert scraped["asyncstore_checkpoint_last_total_seconds"] == stats.last_total_seconds
 
 
 def test_one_async_save_at_a_time_and_close_waits_for_the_last(tmp_path: Path) -> None:
