@@ -36,9 +36,10 @@ from ._common import progress
 __all__ = ["export_dcp"]
 
 
-def export_dcp(src: str, dst: str, options: dict[str, Any]) -> str:
+def export_dcp(src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any]) -> str:
     """Write the distributed checkpoint at ``src`` (its directory's URL) as one
-    ``torch.save`` file at ``dst`` (a path or URL); returns the URL written. A progress bar
+    ``torch.save`` file at ``dst`` (a path or URL); ``options`` and ``dst_options`` are
+    the two stores' options. Returns the URL written. A progress bar
     shows the tensor bytes read when stderr is a terminal.
 
     Raises:
@@ -50,7 +51,7 @@ def export_dcp(src: str, dst: str, options: dict[str, Any]) -> str:
     buffer = io.BytesIO()
     torch.save(state, buffer)
     del state
-    return asyncio.run(_put(dst, options, buffer))
+    return asyncio.run(_put(dst, dst_options, buffer))
 
 
 async def _put(dst: str, options: dict[str, Any], buffer: io.BytesIO) -> str:

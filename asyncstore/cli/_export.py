@@ -8,9 +8,10 @@ import argparse
 import asyncio
 from typing import Any
 
+from ..stores._open import is_local
 from ._common import add_json, emit
 from ._dcplocate import holds_dcp, need_step, version_url
-from ._runs import add_step, add_store_options, locate, store_options
+from ._runs import add_step, add_store_options, locate, parse_option, store_options
 
 __all__ = ["register"]
 
@@ -35,7 +36,20 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     export.add_argument("dst", help="where the torch.save file goes (a path or URL)")
     add_step(export, "the version of this step of the run at SRC")
-    add_store_options(export, what="the stores of SRC and DST")
+    add_store_options(
+        export, what="the store of SRC, and of DST when DST is a store of the same kind"
+    )
+    export.add_argument(
+        "--dst-option",
+        dest="dst_options",
+        action="append",
+        type=parse_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the destination store (repeatable), as --option is of the "
+        "source; when none is given, DST takes SRC's options if it is a store of the same "
+        "kind (both S3, or both local), and none otherwise",
+    )
     add_json(export)
     export.set_defaults(handler=run)
 
@@ -54,19 +68,45 @@ async def _source(src: str, options: dict[str, Any], step: int | None) -> tuple[
     return version_url(src, version), version.kind == "dcp"
 
 
+def _kind(url: str) -> str:
+    return "file" if is_local(url) else url.partition("://")[0].lower()
+
+
+def _dst_options(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    if args.dst_options:
+        return store_options(args, args.dst, name="dst_options")
+    # An S3 export to a local file (or back) takes no S3 options for the file.
+    return options if _kind(args.src) == _kind(args.dst) else {}
+
+
+async def _export_object(
+    src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any]
+) -> str:
+    from ..checkpoint._target import resolve
+    from ..torch._checkpoint import _export
+
+    target = resolve(dst, dst_options, writing=True)
+    try:
+        assert target.store is not None
+        assert target.key is not None
+        await _export(src, (target.store, target.key), options)
+        return target.url
+    finally:
+        await target.aclose()
+
+
 def run(args: argparse.Namespace) -> int:
     """Export; returns the exit status."""
-    options = store_options(args, args.src, args.dst)
+    options = store_options(args, args.src)
+    dst_options = _dst_options(args, options)
     source, distributed = asyncio.run(_source(args.src, options, args.step))
     if distributed:
         from ._dcpexport import export_dcp
 
-        url = export_dcp(source, args.dst, options)
+        url = export_dcp(source, args.dst, options, dst_options)
         kind = "torch.save of the whole state, as dcp_to_torch_save writes it"
     else:
-        from ..torch._checkpoint import _export
-
-        url = asyncio.run(_export(source, args.dst, options))
+        url = asyncio.run(_export_object(source, args.dst, options, dst_options))
         kind = "torch.save"
     emit(args, {"src": source, "dst": url}, f"exported {source} to {url} ({kind})")
     return 0
