@@ -9,6 +9,12 @@ add up, ratios are computed from the sums, and other gauges show the largest val
 component's series disappear when it closes: a counter that drops to zero is a reset, as
 Prometheus's ``rate()`` expects.
 
+A ``StreamingDataset``'s DataLoader workers count in their own processes; their figures
+(see :func:`asyncstore.metrics.snapshot`) join the main process's series under the same
+labels, added up like components of one name: a ``num_workers=8`` job has the series of a job
+without workers. Their counters keep what exited workers counted (a loader without
+``persistent_workers`` starts new ones each epoch) for as long as the dataset lives.
+
 Serve them on their own port::
 
     import asyncstore.metrics.prometheus
@@ -321,7 +327,8 @@ def _families(metrics: Metrics) -> _Builder:
         samples = dataset.stats.samples if dataset.stats is not None else 0
         out.counter(
             "asyncstore_dataset_samples",
-            "Samples a StreamingDataset yielded in this process.",
+            "Samples a StreamingDataset yielded: in this process's last iteration, and in "
+            "every iteration of its DataLoader workers.",
             base,
             samples,
         )
