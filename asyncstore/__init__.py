@@ -11,17 +11,9 @@ Open a store by URL and move bytes::
 
 from __future__ import annotations
 
+import importlib
 import logging
 import typing
-
-# metrics: asyncstore.metrics.snapshot(), asyncstore.metrics.prometheus
-from . import metrics as metrics
-
-# prefetch
-from ._prefetch import Prefetcher, PrefetchStats
-
-# cache
-from .cache import CacheStats, StoreFetchStats, TieredCache, TierStats
 
 # errors
 from .errors import (
@@ -51,11 +43,16 @@ from .stores import (
     open_store,
 )
 
+# Imported on first use (see __getattr__ below): the cache, prefetch and metrics (most of
+# the package's import time), the S3 store (aiobotocore, botocore, aiohttp) and the
+# checkpoint engine (torch).
 if typing.TYPE_CHECKING:
-    from .stores.s3 import S3Store
-
-if typing.TYPE_CHECKING:
+    # metrics: asyncstore.metrics.snapshot(), asyncstore.metrics.prometheus
+    from . import metrics as metrics
+    from ._prefetch import Prefetcher, PrefetchStats
+    from .cache import CacheStats, StoreFetchStats, TieredCache, TierStats
     from .checkpoint import Checkpointer, SaveHandle, SaveResult, load, save
+    from .stores.s3 import S3Store
 
 __version__ = "0.1.0.dev0"
 
@@ -104,22 +101,37 @@ __all__ = [
     "Checkpointer",
 ]
 
-_LAZY = {"save", "load", "SaveHandle", "SaveResult", "Checkpointer", "S3Store"}
+# Where each name imported on first use lives.
+_LAZY = {
+    "metrics": "",
+    "Prefetcher": "._prefetch",
+    "PrefetchStats": "._prefetch",
+    "TieredCache": ".cache",
+    "CacheStats": ".cache",
+    "TierStats": ".cache",
+    "StoreFetchStats": ".cache",
+    "S3Store": ".stores.s3",
+    "save": ".checkpoint",
+    "load": ".checkpoint",
+    "SaveHandle": ".checkpoint",
+    "SaveResult": ".checkpoint",
+    "Checkpointer": ".checkpoint",
+}
 
 
 def __getattr__(name: str) -> object:
-    # The checkpoint engine imports torch (seconds), and the S3 store aiobotocore, botocore
-    # and aiohttp (most of a second): pay for them only when they are used.
-    if name == "S3Store":
-        from .stores import s3
-
-        value: object = s3.S3Store  # shown as asyncstore.S3Store by its module
-    elif name in _LAZY:
-        from . import checkpoint
-
-        value = getattr(checkpoint, name)
-    else:
+    # A command line that lists a run should not wait for what it never uses: the
+    # checkpoint engine imports torch (seconds), the S3 store aiobotocore, botocore and
+    # aiohttp (most of a second), the cache and metrics most of the rest.
+    home = _LAZY.get(name)
+    if home is None:
         raise AttributeError(f"module 'asyncstore' has no attribute {name!r}")
+    if home:
+        value: object = getattr(importlib.import_module(home, __name__), name)
+        if home in (".cache", "._prefetch"):
+            _show_here(value)  # asyncstore.TieredCache, as before it was imported lazily
+    else:
+        value = importlib.import_module(f".{name}", __name__)
     globals()[name] = value
     return value
 

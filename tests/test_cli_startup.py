@@ -125,6 +125,9 @@ def test_the_s3_store_is_imported_by_its_first_use() -> None:
         from asyncstore.stores import S3Store
         assert type(store) is S3Store is asyncstore.S3Store
         assert repr(S3Store) == "<class 'asyncstore.S3Store'>", repr(S3Store)
+        assert "asyncstore.cache" not in sys.modules and "asyncstore.metrics" not in sys.modules
+        assert repr(asyncstore.TieredCache) == "<class 'asyncstore.TieredCache'>"
+        assert callable(asyncstore.metrics.snapshot)
         print("ok")
         """
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from ..cache._usage import clear_disk, disk_usage
 from ._common import add_json, emit, table
 from ._runs import human_bytes
 
@@ -51,6 +50,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run_stats(args: argparse.Namespace) -> int:
     """Print the figures; returns the exit status."""
+    from ..cache._usage import disk_usage  # the cache is imported by the verb that uses it
+
     usage = disk_usage(args.dir)
     rows = [
         ["directory", usage.directory],
@@ -72,6 +73,8 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_clear(args: argparse.Namespace) -> int:
     """Clear; returns the exit status."""
+    from ..cache._usage import clear_disk
+
     removed = clear_disk(args.dir)
     print(f"removed {removed} entries from {args.dir}")
     return 0

@@ -8,10 +8,12 @@ import contextlib
 import json
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 __all__ = ["add_json", "emit", "fail", "progress", "table"]
 
@@ -59,6 +61,8 @@ def progress(total: int | None, description: str, unit: str = "B") -> Iterator[t
 
     ``unit="B"`` shows bytes with binary prefixes; call ``bar.update(n)`` as work is done.
     """
+    from tqdm import tqdm  # imported by the verbs that show progress, not at start-up
+
     bar = tqdm(
         total=total,
         desc=description,
