@@ -172,3 +172,9 @@ def test_ls_lists_what_the_checkpointer_lists(run_dir: Path) -> None:
     assert [v.step for v in light] == [100, 300, 150, 200]
     assert [v.state for v in light] == ["committed", "committed", "committed", "damaged"]
     assert light[0].raw_bytes > 32 * 32 * 4
+
+
+def test_cache_stats_imports_neither(tmp_path: Path) -> None:
+    status, modules = _imported(tmp_path, "cache", "stats", str(tmp_path / "no-cache"))
+    assert status == 1  # nothing there: a one-line error, still without torch
+    assert modules.isdisjoint(HEAVY), sorted(modules & set(HEAVY))
