@@ -1,0 +1,343 @@
+"""A StreamingDataset position saved at one world size resumes exactly once at another.
+
+"Exactly once" for an epoch interrupted and resumed, stated precisely (docs/datasets.md,
+"Resuming with another number of ranks"): every sample of the epoch is read by some rank
+before or after the restarts, and the only samples read twice are the padding of the last
+stream, ``ceil(R / W) * W - R`` reads (fewer than ``W``, the last world size; ``R`` the
+samples left to it), which repeat the epoch's first samples, one at the end of each of the
+last ranks. Every rank of a world reads as many samples as every other (DDP needs it).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+from asyncstore import InvalidArgument
+from asyncstore.torch import StreamingDataset
+from asyncstore.torch._datastate import (
+    Facts,
+    Position,
+    make_state,
+    read_state,
+    stream_length,
+    stream_slices,
+)
+from asyncstore.torch._order import EpochOrder
+from asyncstore.torch._shard import per_rank
+
+COUNT = 61  # odd and prime: no world size of 2 or 3 divides it, so streams are padded
+KEYS = [f"train/{i:04d}.bin" for i in range(COUNT)]
+BATCH = 4
+
+
+def expected_reads(
+    everything: list[str], order_of: list[str], reads: int
+) -> collections.Counter[str]:
+    """Each sample once, plus the padding: the epoch's first ``reads - len(everything)``
+    samples of ``order_of`` (the epoch's order) once more."""
+    pad = reads - len(everything)
+    assert pad >= 0
+    return collections.Counter(everything) + collections.Counter(
+        order_of[i % len(order_of)] for i in range(pad)
+    )
+
+
+# -- the arithmetic, over every size --------------------------------------------------------
+
+
+def facts(count: int, rank: int, world: int, batch: int) -> Facts:
+    return Facts(
+        seed=5,
+        shuffle=True,
+        samples=count,
+        key_digest=0,
+        rank=rank,
+        world=world,
+        batch=batch,
+        shard_known=True,
+    )
+
+
+def worker_stream(order: EpochOrder, position: Position, batch: int, workers: int) -> list[int]:
+    """The rank's stream as a DataLoader hands it over: a batch from each worker in turn."""
+    parts = [
+        [
+            i
+            for part in stream_slices(order, position.start, position.skip, batch, w, workers)
+            for i in part
+        ]
+        for w in range(workers)
+    ]
+    out: list[int] = []
+    turn = 0
+    while any(parts):
+        worker = turn % workers
+        out += parts[worker][:batch]
+        parts[worker] = parts[worker][batch:]
+        turn += 1
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    count=st.integers(1, 200),
+    worlds=st.lists(st.integers(1, 6), min_size=2, max_size=4),
+    batches=st.lists(st.integers(1, 8), min_size=4, max_size=4),
+    fractions=st.lists(st.floats(0, 1), min_size=3, max_size=3),
+    workers=st.integers(1, 3),
+)
+def test_the_union_over_every_world_is_the_epoch_once_but_the_last_padding(
+    count: int, worlds: list[int], batches: list[int], fractions: list[float], workers: int
+) -> None:
+    # One epoch, saved and resumed at each world size of `worlds` in turn (with its own
+    # batch size), each world consuming a fraction of its streams before the save.
+    seed, epoch = 5, 3
+    whole_order = EpochOrder(count, seed=seed, epoch=epoch, shuffle=True, rank=0, world=1)
+    order_of = whole_order.rank_indices(0, count).tolist()  # the epoch's order
+    reads: list[int] = []
+    state: dict[str, int] | None = None
+    batch = batches[0]
+    for hop, world in enumerate(worlds):
+        # A new world may take a new batch size; the same world goes on in its streams,
+        # whose position must be whole batches of its own (see the test below).
+        if hop == 0 or world != worlds[hop - 1]:
+            batch = batches[hop]
+        last = hop == len(worlds) - 1
+        streams = []
+        for rank in range(world):
+            here = facts(count, rank, world, batch)
+            position = Position(epoch) if state is None else read_state(state, here)
+            assert position.epoch == epoch
+            order = EpochOrder(count, seed=seed, epoch=epoch, shuffle=True, rank=rank, world=world)
+            streams.append((position, worker_stream(order, position, batch, workers)))
+        lengths = {len(stream) for _, stream in streams}
+        assert len(lengths) == 1  # every rank of a world reads as much as every other
+        length = lengths.pop()
+        position = streams[0][0]
+        assert length == stream_length(count, position.start, world) - position.skip
+        if last:
+            reads += [index for _, stream in streams for index in stream]
+            break
+        # Every rank stops after the same number of whole batches, and saves.
+        stop = round(fractions[hop] * length) // batch * batch
+        reads += [index for _, stream in streams for index in stream[:stop]]
+        states = [
+            make_state(pos, pos.skip + stop, 0, facts(count, rank, world, batch))
+            for rank, (pos, _) in enumerate(streams)
+        ]
+        assert all(each == states[0] for each in states)  # one dict for the whole job
+        state = states[0]
+    assert collections.Counter(reads) == expected_reads(list(range(count)), order_of, len(reads))
+    assert len(reads) - count < worlds[-1]  # fewer repeats than the last world has ranks
+
+
+def test_a_save_at_the_end_of_the_epoch_leaves_nothing_to_read() -> None:
+    state = make_state(Position(0), per_rank(COUNT, 2), 0, facts(COUNT, 0, 2, 1))
+    for world in (1, 2, 3):
+        position = read_state(state, facts(COUNT, 0, world, 1))
+        order = EpochOrder(COUNT, seed=5, epoch=0, shuffle=True, rank=0, world=world)
+        assert worker_stream(order, position, 1, 1) == []
+
+
+# -- datasets, read through DataLoader workers ---------------------------------------------
+
+
+def key_of(key: str, data: bytes) -> str:
+    assert data == key.encode()
+    return key
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    for key in KEYS:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(key.encode())
+    return root
+
+
+_made: list[StreamingDataset[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def close_datasets() -> Iterator[None]:
+    yield
+    while _made:
+        _made.pop().close()
+
+
+def dataset(source: Path, rank: int, world: int, **options: Any) -> StreamingDataset[str]:
+    made: StreamingDataset[str] = StreamingDataset(
+        source,
+        keys=KEYS,
+        shuffle=True,
+        seed=3,
+        decode=key_of,
+        rank=rank,
+        world_size=world,
+        batch_size=options.pop("batch_size", BATCH),
+        cache_dir=source.parent / "cache",
+        **options,
+    )
+    _made.append(made)
+    return made
+
+
+def loader_keys(
+    ds: StreamingDataset[str], batch: int, stop: int | None = None, workers: int = 2
+) -> list[str]:
+    loader = DataLoader(ds, batch_size=batch, num_workers=workers, multiprocessing_context="fork")
+    keys: list[str] = []
+    for step, got in enumerate(loader):
+        if step == stop:
+            break
+        keys += got
+    return keys
+
+
+def whole_order(source: Path, epoch: int) -> list[str]:
+    return dataset(source, 0, 1).plan(epoch)
+
+
+def run_world(
+    source: Path, world: int, state: dict[str, int] | None, stop: int | None, batch: int = BATCH
+) -> tuple[list[list[str]], dict[str, int] | None]:
+    """Every rank of ``world`` reads epoch 1 through a DataLoader with two workers, from
+    ``state`` (None: the epoch's start), for ``stop`` batches (None: to the end); their
+    streams, and the state they save (the same on every rank)."""
+    streams, states = [], []
+    for rank in range(world):
+        ds = dataset(source, rank, world, batch_size=batch)
+        if state is None:
+            ds.set_epoch(1)
+        else:
+            ds.load_state_dict(state)
+            ds.set_epoch(1)  # the usual loop sets the loaded epoch: the position holds
+        assert ds.state_dict()["epoch"] == 1
+        first = ds.state_dict()["consumed"]
+        keys = loader_keys(ds, batch, stop)
+        assert keys == ds.plan()[first : first + len(keys)]  # in the stream's order
+        streams.append(keys)
+        if stop is not None:
+            states.append(ds.state_dict(consumed=first + len(keys)))
+    assert len({len(stream) for stream in streams}) == 1  # equal lengths for DDP
+    if states:
+        assert all(each == states[0] for each in states)
+        return streams, states[0]
+    return streams, None
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3)])
+def test_a_job_resumes_at_another_world_size_reading_each_sample_once(
+    source: Path, before: int, after: int
+) -> None:
+    order = whole_order(source, 1)
+    first, state = run_world(source, before, None, stop=3)
+    assert state is not None
+    assert state["world_size"] == before
+    assert [len(stream) for stream in first] == [3 * BATCH] * before
+    # What the old world read is the first 3 * BATCH * before samples of the epoch.
+    assert sorted(k for s in first for k in s) == sorted(order[: 3 * BATCH * before])
+    rest, _ = run_world(source, after, state, stop=None)
+    left = COUNT - 3 * BATCH * before
+    assert [len(stream) for stream in rest] == [-(-left // after)] * after
+    reads = [k for s in first + rest for k in s]
+    assert collections.Counter(reads) == expected_reads(KEYS, order, len(reads))
+    # The next epoch is whole again, at the new world size.
+    nxt = dataset(source, 0, after)
+    nxt.set_epoch(2)
+    assert len(nxt.plan()) == len(nxt) == per_rank(COUNT, after)
+
+
+def test_a_resumed_job_resumes_again_at_a_third_world_size(source: Path) -> None:
+    order = whole_order(source, 1)
+    first, state = run_world(source, 2, None, stop=2)
+    assert state is not None
+    second, state = run_world(source, 3, state, stop=1, batch=2)
+    assert state is not None
+    assert (state["start"], state["consumed"], state["world_size"]) == (2 * BATCH * 2, 2, 3)
+    third, _ = run_world(source, 1, state, stop=None)
+    assert [len(stream) for stream in third] == [COUNT - 16 - 6]
+    reads = [k for s in first + second + third for k in s]
+    assert sorted(reads) == KEYS  # each once: one rank last, so no padding
+    assert order[:16] == sorted(first[0] + first[1], key=order.index)
+
+
+def test_every_ranks_states_are_checked_for_equal_counts(source: Path) -> None:
+    ds = [dataset(source, rank, 2) for rank in range(2)]
+    for each in ds:
+        each.set_epoch(1)
+    states = [ds[0].state_dict(consumed=8), ds[1].state_dict(consumed=4)]
+    one = dataset(source, 0, 1)
+    with pytest.raises(InvalidArgument) as caught:
+        one.load_state_dict(states)
+    message = str(caught.value)
+    assert "saved after different counts (consumed=[8, 4], by rank)" in message
+    assert "ds.set_epoch(1)" in message
+    # Agreeing states load as one (the first stands for them all).
+    states[1] = ds[1].state_dict(consumed=8)
+    one.load_state_dict(states)
+    assert one.state_dict()["start"] == 16
+    assert read_all(one) == whole_order(source, 1)[16:]
+    # States of the second format name their rank: each rank's, each once.
+    old = [dict(s, version=2, rank=r) for r, s in enumerate(states)]
+    for each in old:
+        del each["start"]
+    with pytest.raises(InvalidArgument, match=r"states of ranks \[0, 0\] .*each once"):
+        one.load_state_dict([old[0], old[0]])
+    again = dataset(source, 1, 2)
+    again.load_state_dict(old)  # the same world: rank 1 goes on in its own stream
+    assert again.state_dict()["consumed"] == 8
+    with pytest.raises(InvalidArgument, match=r"differ in 'epoch' \(\[1, 0\], by rank\)"):
+        one.load_state_dict([states[0], dict(states[1], epoch=0)])
+
+
+def read_all(ds: StreamingDataset[str]) -> list[str]:
+    stream = iter(ds)
+    try:
+        return list(stream)
+    finally:
+        stream.close()  # type: ignore[attr-defined]
+
+
+def test_a_state_of_the_second_format_resumes_at_another_world_size(source: Path) -> None:
+    # What the last release saved, one state per rank: any rank's stands for the job's.
+    order = whole_order(source, 1)
+    saved = dataset(source, 1, 2).state_dict(consumed=12)
+    old = {k: v for k, v in saved.items() if k != "start"} | {"version": 2, "rank": 1}
+    old["epoch"] = 1
+    ds = dataset(source, 0, 1)
+    ds.load_state_dict(old)
+    assert read_all(ds) == order[24:]
+
+
+def test_consumed_is_checked_against_the_saved_worlds_stream(source: Path) -> None:
+    state = dataset(source, 0, 2).state_dict(consumed=28)
+    with pytest.raises(InvalidArgument) as caught:
+        dataset(source, 0, 3).load_state_dict(dict(state, consumed=32 + BATCH))
+    assert "state['consumed']=36: pass an int >= 0 and <= 31 (each of the 2 ranks' stream" in str(
+        caught.value
+    )
+    # After a resume at another world size the rank's stream is the rest of the epoch.
+    ds = dataset(source, 0, 3)
+    ds.load_state_dict(state)
+    assert ds.state_dict()["consumed"] == 0
+    with pytest.raises(InvalidArgument, match=r"consumed=8: .*<= 2 \(this rank's stream of the"):
+        ds.state_dict(consumed=8)
+
+
+def test_the_same_world_size_with_another_batch_size_needs_whole_batches(source: Path) -> None:
+    state = dataset(source, 0, 2, batch_size=4).state_dict(consumed=12)
+    with pytest.raises(InvalidArgument, match="consumed=12 is not a multiple of batch_size=8"):
+        dataset(source, 0, 2, batch_size=8).load_state_dict(state)
+    # At another world size the stream begins anew: any batch size goes.
+    dataset(source, 0, 3, batch_size=8).load_state_dict(state)
