@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import given, settings
@@ -36,11 +36,10 @@ from asyncstore.torch._shard import per_rank
 COUNT = 61  # odd and prime: no world size of 2 or 3 divides it, so streams are padded
 KEYS = [f"train/{i:04d}.bin" for i in range(COUNT)]
 BATCH = 4
+T = TypeVar("T")
 
 
-def expected_reads(
-    everything: list[str], order_of: list[str], reads: int
-) -> collections.Counter[str]:
+def expected_reads(everything: list[T], order_of: list[T], reads: int) -> collections.Counter[T]:
     """Each sample once, plus the padding: the epoch's first ``reads - len(everything)``
     samples of ``order_of`` (the epoch's order) once more."""
     pad = reads - len(everything)
@@ -289,9 +288,10 @@ def test_every_ranks_states_are_checked_for_equal_counts(source: Path) -> None:
     assert one.state_dict()["start"] == 16
     assert read_all(one) == whole_order(source, 1)[16:]
     # States of the second format name their rank: each rank's, each once.
-    old = [dict(s, version=2, rank=r) for r, s in enumerate(states)]
-    for each in old:
-        del each["start"]
+    old = [
+        {k: v for k, v in state.items() if k != "start"} | {"version": 2, "rank": rank}
+        for rank, state in enumerate(states)
+    ]
     with pytest.raises(InvalidArgument, match=r"states of ranks \[0, 0\] .*each once"):
         one.load_state_dict([old[0], old[0]])
     again = dataset(source, 1, 2)
