@@ -16,9 +16,9 @@ as an epoch is (``_shard``): local position ``l`` of rank ``r`` of ``W`` is glob
 world size starts its stream at what the old world consumed. Every rank's stream has the same
 length (DDP needs it); the positions past ``count`` wrap to the epoch's first positions, so
 the only repeats of an interrupted epoch are, as in one that was not, fewer than ``W`` of the
-epoch's first samples, at the end of the last stream. A save before the end of a stream
-never counts a wrapped position (``c < ceil((count - start) / W)`` keeps ``start + c * W``
-below ``count``), so the prefix is never overstated.
+epoch's first samples, at the end of the streams that reach the epoch's end. A save
+before the end of a stream never counts a wrapped position (``c < ceil((count - start) /
+W)`` keeps ``start + c * W`` below ``count``), so the prefix is never overstated.
 """
 
 from __future__ import annotations
