@@ -198,3 +198,119 @@ def test_two_ranks_over_seaweedfs_with_padding(seaweedfs: SeaweedFS, tmp_path: P
         "out": str(tmp_path),
     }
     check_run(cfg, everything, stop=3)
+
+
+# -- another number of ranks -----------------------------------------------------------------
+
+RESHARD_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.utils.data import DataLoader
+from asyncstore.torch import StreamingDataset
+
+cfg = json.loads(sys.argv[1])
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+    os.environ.pop(name, None)
+batch = cfg["batch"]
+ds = StreamingDataset(cfg["url"], cache_dir=cfg["cache_dir"], shuffle=True, seed=cfg["seed"],
+                      batch_size=batch)
+loader = DataLoader(ds, batch_size=batch, num_workers=2, multiprocessing_context="fork",
+                    persistent_workers=True)
+out = {"rank": rank, "world": world}
+
+def read(stop=None):
+    keys = []
+    for step, got in enumerate(loader):
+        keys += [data.decode() for data in got]
+        if step + 1 == stop:
+            break
+    return keys
+
+if cfg["phase"] == "first":
+    ds.set_epoch(1)
+    out["keys"] = read(cfg["stop"])
+    out["state"] = ds.state_dict(consumed=cfg["stop"] * batch)
+    # One key for the whole job: DCP keeps one copy of a value every rank saves under it.
+    dcp.save({"data": out["state"]}, checkpoint_id=cfg["ckpt"])
+else:
+    resumed = {"data": ds.state_dict()}  # the template: any rank of any world asks for it
+    dcp.load(resumed, checkpoint_id=cfg["ckpt"])
+    ds.load_state_dict(resumed["data"])
+    out["loaded"] = resumed["data"]
+    ds.set_epoch(resumed["data"]["epoch"])  # the usual loop: the position holds
+    out["plan"], out["keys"] = ds.plan(), read()
+    ds.set_epoch(2)
+    out["next_plan"], out["next"] = ds.plan(), read()
+with open(os.path.join(cfg["out"], f"{cfg['phase']}-{world}-{rank}.json"), "w") as f:
+    json.dump(out, f)
+del loader
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def run_world(cfg: dict[str, Any], world: int) -> list[dict[str, Any]]:
+    """Run RESHARD_SCRIPT in ``world`` processes of a new gloo group; their reports."""
+    wait_ranks(spawn_ranks(RESHARD_SCRIPT, world, json.dumps(cfg)), timeout=120)
+    out = Path(cfg["out"])
+    return [
+        json.loads((out / f"{cfg['phase']}-{world}-{rank}.json").read_text())
+        for rank in range(world)
+    ]
+
+
+def test_two_ranks_save_one_state_and_one_or_three_ranks_resume_it(tmp_path: Path) -> None:
+    root = tmp_path / "data"
+    everything = [f"train/{i:04d}.bin" for i in range(61)]  # prime: every split is padded
+    for key in everything:
+        (root / key).parent.mkdir(parents=True, exist_ok=True)
+        (root / key).write_bytes(key.encode())
+    batch, stop = 4, 3
+    cfg = {
+        "url": str(root),
+        "cache_dir": str(tmp_path / "cache"),
+        "seed": SEED,
+        "batch": batch,
+        "stop": stop,
+        "ckpt": str(tmp_path / "ckpt"),
+        "out": str(tmp_path),
+    }
+    first = run_world({**cfg, "phase": "first"}, WORLD)
+    state = first[0]["state"]
+    assert all(report["state"] == state for report in first)  # the same on every rank
+    assert (state["start"], state["consumed"], state["world_size"]) == (0, stop * batch, 2)
+    before = [key for report in first for key in report["keys"]]
+    assert len(before) == len(set(before)) == WORLD * stop * batch
+    for world in (1, 3):
+        second = run_world({**cfg, "phase": "second"}, world)
+        rest = len(everything) - len(before)
+        for report in second:
+            assert report["loaded"] == state  # every rank of this world loaded the one copy
+            assert report["keys"] == report["plan"]  # the new stream, in order
+            assert len(report["keys"]) == -(-rest // world)  # equal lengths, for DDP
+            assert report["next"] == report["next_plan"]
+        after = [key for report in second for key in report["keys"]]
+        # Every sample once across both worlds, but the padding of the last split: the
+        # epoch's first samples, which the first world read first (rank 0's, then 1's).
+        pad = len(before) + len(after) - len(everything)
+        assert pad == (-rest) % world
+        padded = [first[i % WORLD]["keys"][i // WORLD] for i in range(pad)]
+        assert collections.Counter(before + after) == collections.Counter(
+            everything
+        ) + collections.Counter(padded)
+        check_epoch_at(world, [report["next"] for report in second], everything)
+
+
+def check_epoch_at(world: int, streams: list[list[str]], everything: list[str]) -> None:
+    """An epoch not resumed at ``world`` ranks: equal streams, every sample once but the
+    padding (the first ranks' first samples)."""
+    per_rank = -(-len(everything) // world)
+    assert [len(stream) for stream in streams] == [per_rank] * world
+    padded = [streams[rank][0] for rank in range(per_rank * world - len(everything))]
+    assert collections.Counter(key for s in streams for key in s) == collections.Counter(
+        everything
+    ) + collections.Counter(padded)
