@@ -25,8 +25,8 @@ demo: setup
 	$(BIN)/asyncstore demo
 
 lint: setup
-	$(BIN)/ruff check asyncstore tests benchmarks
-	$(BIN)/ruff format --check asyncstore tests benchmarks
+	$(BIN)/ruff check asyncstore tests benchmarks examples
+	$(BIN)/ruff format --check asyncstore tests benchmarks examples
 
 typecheck: setup
 	$(BIN)/mypy

@@ -59,6 +59,29 @@ def _agreed(find: Callable[[], int], group: Any = None) -> int:
     return int(value)
 
 
+def _fresh_group_names() -> None:
+    """After a torchrun restart, name new process groups as no earlier attempt did.
+
+    torchrun keeps its key-value store across restarts (a key set in one attempt is there
+    in the next), and a gloo group's ranks find each other through addresses published
+    there under the group's name; names count up from the same start in every attempt, so
+    a group made after a restart may read the killed attempt's addresses and fail with
+    "connection refused" (reproduced: 2 ranks, one SIGKILLed, ``--max-restarts=1``). Every
+    rank of an attempt moves the count to the same place, so they still agree. Uses
+    c10d's group counter (``_world.group_count``); without it, nothing changes.
+    """
+    import os
+
+    from torch.distributed import distributed_c10d
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = getattr(distributed_c10d, "_world", None)
+    count = getattr(world, "group_count", None)
+    if not attempt.isdigit() or int(attempt) == 0 or not isinstance(count, int):
+        return
+    world.group_count = max(count, int(attempt) * 1_000_000)  # type: ignore[union-attr]
+
+
 class DistributedMethods:
     """The ``dcp_*`` and ``*_training_state`` methods of
     :class:`asyncstore.torch.Checkpointer` (which see)."""
@@ -137,6 +160,7 @@ class DistributedMethods:
         if not (dist.is_available() and dist.is_initialized()):
             return None
         if self._group is None:
+            _fresh_group_names()
             self._group = dist.new_group(backend="gloo")
         return self._group
 
