@@ -217,9 +217,10 @@ def test_a_distributed_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert [(v["step"], v["kind"]) for v in versions] == [(10, "dcp"), (20, "dcp")]
     assert main(["verify", str(run)]) == 0
     assert "2 of 2 verified" in capsys.readouterr().out
-    ranks = run_json(capsys, ["inspect", str(run), "--step", "20"])
-    assert len(ranks) == 1
-    assert "step-000000020.dcp/__0_" in ranks[0]["url"]
+    info = run_json(capsys, ["inspect", str(run), "--step", "20"])
+    assert [item["name"] for item in info["items"]] == ["b", "w"]
+    assert "step-000000020.dcp" in info["url"]
+    assert [o["name"][:4] for o in info["objects"]] == ["__0_"]
     copied = run_json(capsys, ["cp", str(run), str(tmp_path / "copy"), "--step", "10"])
     assert copied["objects"] == 2  # the rank's object and .metadata
     assert main(["verify", str(tmp_path / "copy")]) == 0
