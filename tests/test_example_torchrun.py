@@ -75,3 +75,14 @@ def test_a_killed_job_resumes_with_the_losses_of_an_uninterrupted_one(tmp_path: 
             (40, "dcp"),
             (45, "dcp"),
         ]
+
+
+def test_the_recipe_in_the_docs_is_the_tested_script() -> None:
+    # docs/distributed.md shows the heart of examples/train_ddp.py: every line of it must be
+    # a line of the script, so that what users copy is what CI runs.
+    docs = (EXAMPLE.parents[1] / "docs" / "distributed.md").read_text()
+    (recipe,) = re.findall(r"```python\n(# train\.py.*?)```", docs, re.S)
+    script = {line.strip() for line in EXAMPLE.read_text().splitlines()}
+    shown = [line.strip() for line in recipe.splitlines()[1:] if line.strip()]
+    assert len(shown) > 20
+    assert [line for line in shown if line not in script] == []
