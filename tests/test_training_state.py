@@ -12,6 +12,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import asyncstore.torch
 from asyncstore import InvalidArgument, NotFound
@@ -211,3 +212,56 @@ def test_a_background_save_on_the_default_group_is_refused_on_every_rank(
     for output in outputs:
         assert "REFUSED" in output, output
         assert "VERSIONS [2]" in output, output
+
+
+FSDP_SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard
+import asyncstore.torch as at
+
+run, out = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+for layer in (net[0], net[2], net):
+    fully_shard(layer)  # FSDP2: every parameter a DTensor sharded across the 2 ranks
+optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
+data = torch.Generator().manual_seed(rank)
+for _ in range(3):
+    loss = net(torch.randn(8, 16, generator=data)).pow(2).mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+with at.Checkpointer(run) as ckpt:
+    ckpt.save_training_state(3, net, optimizer, extra={"epoch": 7}).result(timeout=120)
+full = get_state_dict(net, optimizer, options=StateDictOptions(full_state_dict=True))
+if rank == 0:
+    torch.save(full, out)
+dist.destroy_process_group()
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_an_fsdp_job_saved_by_two_ranks_loads_whole_in_one_process(tmp_path: Path) -> None:
+    run, out = tmp_path / "run", tmp_path / "full.pt"
+    wait_ranks(spawn_ranks(FSDP_SCRIPT, 2, str(run), str(out)), timeout=120)
+    full: Any = torch.load(out)
+    model_full, optim_full = full
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra: dict[str, Any] = {"epoch": 0}
+    with asyncstore.torch.Checkpointer(run) as ckpt:
+        assert ckpt.load_training_state(model, optimizer, extra=extra) == 3
+    assert extra == {"epoch": 7}
+    assert sorted(model.state_dict()) == sorted(model_full)
+    for name, value in model_full.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    loaded: Any = get_state_dict(model, optimizer)[1]
+    for name, moments in optim_full["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["state"][name][key], moments[key]), (name, key)
