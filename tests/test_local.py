@@ -93,6 +93,27 @@ async def test_delete_prunes_empty_directories(local: asyncstore.LocalStore) -> 
     assert os.path.isdir(local.root)
 
 
+async def test_a_directory_removed_by_a_concurrent_delete_is_made_again(
+    local: asyncstore.LocalStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A delete of the last key under "leases/" removes the directory; a put under it that
+    # runs makedirs in that moment sees mkdir fail with EEXIST, then finds no directory,
+    # and makedirs raises FileExistsError (seen in CI: a save's lease put failed).
+    real = os.makedirs
+    raced: list[str] = []
+
+    def makedirs(name: str, mode: int = 0o777, exist_ok: bool = False) -> None:
+        if not raced:
+            raced.append(name)
+            raise FileExistsError(17, "File exists", name)
+        real(name, mode, exist_ok)
+
+    monkeypatch.setattr(os, "makedirs", makedirs)
+    await local.put("leases/one.lease", b"x")
+    assert raced == [os.path.join(local.root, "leases")]
+    assert await local.get("leases/one.lease") == b"x"
+
+
 async def test_object_and_prefix_conflict(local: asyncstore.LocalStore) -> None:
     await local.put("a", b"file")
     with pytest.raises(StoreError, match="cannot hold both"):

@@ -155,6 +155,14 @@ class LocalStore(BaseStore):
             "files (and lists no others)"
         )
 
+    def _file_on_path(self, directory: str) -> bool:
+        # Whether some segment of ``directory`` below the root exists and is not a directory.
+        while directory != self._root and directory.startswith(self._root + os.sep):
+            if os.path.lexists(directory) and not os.path.isdir(directory):
+                return True
+            directory = os.path.dirname(directory)
+        return False
+
     def _dir_for_write(self, key: str) -> str:
         """Create the key's directory and return the key's path, checking it stays inside."""
         path = os.path.join(self._root, key)
@@ -169,13 +177,24 @@ class LocalStore(BaseStore):
                 f"{self.where(key)} resolves outside the store's directory through a symlink; "
                 "asyncstore never writes outside a store's root"
             )
-        try:
-            os.makedirs(parent, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
+        for _ in range(3):
+            try:
+                os.makedirs(parent, exist_ok=True)
+                break
+            except (FileExistsError, NotADirectoryError):
+                # Either a segment is a file (an object 'a' beside keys under 'a/'), or a
+                # concurrent delete removed a directory it left empty between makedirs'
+                # mkdir and its check that the directory exists: then make it again.
+                if self._file_on_path(parent):
+                    raise StoreError(
+                        f"cannot write {self.where(key)}: a segment of its path is an object; "
+                        "a local store cannot hold both 'a' and keys under 'a/'"
+                    ) from None
+        else:
             raise StoreError(
-                f"cannot write {self.where(key)}: a segment of its path is an object; a local "
-                "store cannot hold both 'a' and keys under 'a/'"
-            ) from None
+                f"cannot write {self.where(key)}: its directory keeps vanishing (another "
+                "process deleting keys beside it?)"
+            )
         if not self._inside(os.path.realpath(parent)):
             raise PermissionDenied(
                 f"{self.where(key)} resolves outside the store's directory through a symlink; "
