@@ -60,26 +60,40 @@ def _agreed(find: Callable[[], int], group: Any = None) -> int:
 
 
 def _fresh_group_names() -> None:
-    """After a torchrun restart, name new process groups as no earlier attempt did.
+    """Under torchelastic, after a restart, name new process groups as no earlier attempt
+    did (collectively, on the default group: every rank of a torchelastic job calls it).
 
     torchrun keeps its key-value store across restarts (a key set in one attempt is there
     in the next), and a gloo group's ranks find each other through addresses published
     there under the group's name; names count up from the same start in every attempt, so
     a group made after a restart may read the killed attempt's addresses and fail with
-    "connection refused" (reproduced: 2 ranks, one SIGKILLed, ``--max-restarts=1``). Every
-    rank of an attempt moves the count to the same place, so they still agree. Uses
-    c10d's group counter (``_world.group_count``); without it, nothing changes.
+    "connection refused" (reproduced: 2 ranks, one SIGKILLed, ``--max-restarts=1``). Each
+    rank proposes a count past its attempt's (``TORCHELASTIC_RESTART_COUNT``, which agents
+    on different nodes may count differently) and every rank takes the largest, so that
+    they still agree. Uses c10d's group counter (``_world.group_count``); without it,
+    nothing changes.
     """
     import os
 
+    import torch
+    import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     world = getattr(distributed_c10d, "_world", None)
     count = getattr(world, "group_count", None)
-    if not attempt.isdigit() or int(attempt) == 0 or not isinstance(count, int):
-        return
-    world.group_count = max(count, int(attempt) * 1_000_000)  # type: ignore[union-attr]
+    if attempt is None or not isinstance(count, int):
+        return  # not torchelastic, or another c10d: nothing to do, on every rank
+    proposed = max(count, int(attempt) * 1_000_000 if attempt.isdigit() else count)
+    backend = str(dist.get_backend())
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if "gloo" not in backend and torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    agreed = torch.tensor([proposed], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    world.group_count = int(agreed.item())  # type: ignore[union-attr]
 
 
 class DistributedMethods:
@@ -251,6 +265,8 @@ class DistributedMethods:
         ``step``, or of the newest one whose ``.metadata`` verifies: on every rank,
         ``dcp.load(state, storage_reader=ckpt.dcp_reader())``. :meth:`dcp_load` does the
         same and falls back to an older version when a rank finds the newest damaged.
+        A :meth:`dcp_async_save` still running is waited for first (its collectives share
+        the group); do not start one between this call and the ``dcp.load``.
 
         With ``step=None`` under an initialized process group, rank 0 finds the version and
         tells the others (collectively: call it on every rank), so that every rank loads the
@@ -266,6 +282,7 @@ class DistributedMethods:
         ckpt = self._ckpt
         if step is not None:
             step = ckpt._check_step(step)
+        self._dcp_wait()  # its collectives run on the same group as the agreement's
         found = self._agreed_dcp(step, {})
         return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
 
@@ -285,7 +302,8 @@ class DistributedMethods:
         object missing during the load (DCP reports every rank's failure to all of them),
         the version is marked damaged, a warning names it and what failed, and every rank
         loads the next older version, which fills every entry of ``state`` again. With
-        ``step``, that version only. ``planner`` goes to ``dcp.load``.
+        ``step``, that version only. ``planner`` goes to ``dcp.load``. A
+        :meth:`dcp_async_save` still running is waited for first.
 
         An optimizer's state is loaded whole or not at all: when ``state`` takes an
         optimizer's ``param_groups`` but not every saved entry of its ``state`` (a fresh
@@ -312,6 +330,7 @@ class DistributedMethods:
         ckpt = self._ckpt
         if step is not None:
             step = ckpt._check_step(step)
+        self._dcp_wait()  # a save in flight runs collectives on the same group
         failed: dict[int, str] = {}  # step -> what failed (rank 0's copy decides)
         while True:
             found = self._agreed_dcp(step, failed)
@@ -464,20 +483,35 @@ class DistributedMethods:
             torch.distributed.checkpoint.api.CheckpointException: the checkpoint lacks
                 entries the model, the optimizer or ``extra`` ask for (say, another model).
         """
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         if extra is not None and not isinstance(extra, dict):
             raise InvalidArgument(
                 f"load_training_state: extra={extra!r}: pass the dict of values saved with "
                 "the state, which the load fills in place"
             )
+        from ._dcpguard import TrainingLoadPlanner
+
         state = self._training_state(model, optimizer, extra, "load_training_state")
+        planner = TrainingLoadPlanner()
         try:
-            found = self.dcp_load(state, step)
+            found = self.dcp_load(state, step, planner=planner)
         except NotFound:
             if step is not None:
                 raise
+            others = [v.step for v in self.versions() if v.kind != "dcp"]
+            if others:
+                logger.warning(
+                    "%s holds no distributed version to resume from, only versions saved "
+                    "with save() (steps %s): load_training_state starts afresh; load those "
+                    "with load()",
+                    self.url,
+                    ", ".join(str(s) for s in others[-5:]),
+                )
             return None  # the same on every rank: rank 0 found none and said so
+        if optimizer is not None:
+            for fqn in planner.stateless:  # as the saving optimizer had it: no state yet
+                state["optim"]["state"].pop(fqn, None)
         if optimizer is None:
             from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -488,6 +522,9 @@ class DistributedMethods:
                 optimizer,
                 model_state_dict=state["model"],
                 optim_state_dict=state["optim"],
+                # Those parameters' state is left out on purpose; the rest is whole (the
+                # load asked for every entry of the template).
+                options=StateDictOptions(strict=not planner.stateless),
             )
         return found
 
