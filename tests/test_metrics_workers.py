@@ -299,3 +299,34 @@ def test_no_directory_left_at_exit(data_dir: Path) -> None:
     directory, pid = done.stdout.split()
     assert os.path.basename(directory).startswith(f"asyncstore-metrics-{pid}-")
     assert not os.path.exists(directory)
+
+
+@pytest.mark.usefixtures("no_leaks")
+def test_exited_workers_records_are_folded_at_each_epoch_without_a_scrape(
+    data_dir: Path,
+) -> None:
+    # A job that nobody scrapes: the records of each epoch's exited workers must not pile
+    # up in /dev/shm until the dataset goes.
+    ds: StreamingDataset[bytes] = StreamingDataset(data_dir, batch_size=BATCH)
+    batches = loader(ds)
+    directory = ds._worker_figures.directory
+    assert directory is not None
+    # What a worker killed between writing its record and renaming it leaves behind.
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stale = os.path.join(directory, f".w0-{gone.stdout.strip()}-0000.tmp")
+    Path(stale).write_bytes(b"half a record")
+    for number in range(3):
+        ds.set_epoch(number)
+        assert len(records(ds)) <= 2  # at most the last epoch's two workers
+        assert epoch(batches) == COUNT
+    assert len(records(ds)) == 2
+    ds.set_epoch(3)
+    assert records(ds) == []
+    assert not os.path.exists(stale)
+    figures = Workers(asyncstore.metrics.snapshot(), ds)
+    assert figures.samples == 3 * COUNT  # folded, not lost

@@ -16,7 +16,8 @@ for the dataset (under ``/dev/shm`` where there is one: memory, not a disk):
 At each snapshot the main process reads every record. Checked before its record is read (so
 that what is read is its last), a worker process that is gone has its record folded into the
 figures kept for its worker id, and the file removed: what exited workers counted stays in
-the counters, and the directory holds about one file per live worker. A worker killed
+the counters. Records are folded too at each ``set_epoch`` of the dataset, so that the
+directory holds about one file per live worker even when nothing scrapes. A worker killed
 outright loses what it counted since its last record (at most :data:`INTERVAL` seconds).
 The directory goes when the dataset is garbage-collected or the interpreter exits.
 """
@@ -276,6 +277,8 @@ class WorkerFigures:
         live = []
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(self.directory):
+                if entry.name.endswith(".tmp"):
+                    self._drop_dead_temp(entry.name, entry.path)
                 if not entry.name.endswith(_SUFFIX):
                     continue
                 try:
@@ -296,6 +299,26 @@ class WorkerFigures:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(path)
         return live
+
+    @staticmethod
+    def _drop_dead_temp(name: str, path: str) -> None:
+        # A worker killed between writing its temporary record and renaming it.
+        try:
+            pid = int(name.split("-")[1])
+        except (IndexError, ValueError):
+            return
+        if not _alive(pid):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+    def fold(self) -> None:
+        """Fold the records of exited workers into the figures kept for their worker ids and
+        remove their files (the dataset calls it at each :meth:`set_epoch`, so that a job
+        nobody scrapes keeps about one file per live worker too)."""
+        if os.getpid() != self.owner:
+            return  # only the process that reads them folds them
+        with self._lock:
+            self._records()
 
     def components(self) -> list[Component[Any]]:
         """Per worker id, its figures summed over its processes, live and exited: one entry

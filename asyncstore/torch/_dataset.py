@@ -355,6 +355,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if epoch != self._epoch:
             self._position[:] = list(Position(epoch))
         self._begin_epoch(epoch)
+        self._worker_figures.fold()  # the last epoch's exited workers: their files go
 
     def _begin_epoch(self, epoch: int) -> None:
         # Made current again (set_epoch with the same epoch, a resume): its figures add up.
