@@ -730,10 +730,11 @@ def test_a_crafted_value_cannot_run_code_or_read_past_its_bytes(tmp_path: Path) 
     asyncstore.torch.save(entries, path)
     target: dict[str, Any] = {"w": torch.zeros(3), "note": {"a": 0}}
     with pytest.raises(CheckpointException) as raised:
-        state_dict_loader.load(target, storage_reader=StorageReader(url))
+        state_dict_loader.load(target, storage_reader=StorageReader(url, weights_only=True))
     ((error, _),) = raised.value.failures.values()
     assert isinstance(error, UnsafeCheckpoint)
     assert "weights_only=False" in str(error)
+    assert "'note.a'" in str(error)  # the state's key, not the object's entry number
     assert not marker.exists()
 
     # One byte of storage claiming to be a million: refused, nothing read past it.

@@ -67,6 +67,7 @@ from ..errors import (
     _plain,
 )
 from ..stores import Store, open_store
+from ..stores._open import is_local, local_path
 from ._dcpguard import refuse_shared_group, refuse_untaken, untaken_optimizer_entries
 
 _logger = logging.getLogger("asyncstore.checkpoint")
@@ -86,6 +87,25 @@ def _url(checkpoint_id: Any, what: str) -> str:
     return url
 
 
+def _openable(checkpoint_id: object) -> bool:
+    # What open_store can open: a plain path, file://, memory://NAME, s3://BUCKET. DCP asks
+    # each plugin in turn and takes the first that says yes, so a yes here for a URL we
+    # cannot open would take it from a plugin that can (and fail later, further from the
+    # cause).
+    if isinstance(checkpoint_id, os.PathLike):
+        checkpoint_id = os.fspath(checkpoint_id)
+    if not isinstance(checkpoint_id, str) or "\x00" in checkpoint_id:
+        return False
+    if not is_local(checkpoint_id):
+        scheme, _, rest = checkpoint_id.partition("://")
+        return scheme.lower() in ("memory", "s3") and bool(rest.split("/", 1)[0])
+    try:
+        local_path(_url(checkpoint_id, "validate_checkpoint_id"))
+    except AsyncStoreError:
+        return False
+    return True
+
+
 def _place(
     url: str | os.PathLike[str] | None, store_options: object, what: str
 ) -> tuple[str | None, dict[str, Any]]:
@@ -93,6 +113,12 @@ def _place(
     if store_options is not None and not isinstance(store_options, dict):
         raise InvalidArgument(f"{what}: store_options={store_options!r}: pass a dict or None")
     return (None if url is None else _url(url, what)), dict(store_options or {})
+
+
+def _forced_weights_only() -> bool:
+    # As torch.load reads it: DCP's planner calls torch.load(weights_only=False), which
+    # this variable turns into True.
+    return os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
 
 
 def _done(value: Any) -> Future[Any]:
@@ -135,6 +161,15 @@ async def _commit(url: str, metadata: Metadata, options: dict[str, Any]) -> None
             )
 
 
+async def _exists(url: str, options: dict[str, Any]) -> bool:
+    async with open_store(url, **options) as store:
+        try:
+            await store.stat(METADATA)
+        except NotFound:
+            return False
+        return True
+
+
 async def _read_metadata(url: str, options: dict[str, Any]) -> Metadata:
     async with open_store(url, **options) as store:
         return await read_metadata(store, "")
@@ -149,6 +184,11 @@ class StorageWriter(_StorageWriter):
             ``checkpoint_id``, when given, takes its place.
         store_options: options for :func:`asyncstore.open_store`.
         compression, staging_bytes, priority, chunk_bytes: as for :func:`asyncstore.save`.
+        overwrite: replace a checkpoint already at the URL (the default, as DCP's
+            ``FileSystemWriter``; the one there stays whole until the new one is complete).
+            With ``False``, a save where a checkpoint exists fails before anything is
+            written: :class:`~asyncstore.InvalidArgument`, whose message says "Checkpoint
+            already exists" as DCP's does (DCP raises it as a ``CheckpointException``).
     """
 
     def __init__(
@@ -160,9 +200,13 @@ class StorageWriter(_StorageWriter):
         staging_bytes: int = DEFAULT_STAGING_BYTES,
         priority: Literal["low", "normal"] = "low",
         chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
+        overwrite: bool = True,
     ) -> None:
         super().__init__()
         self.url, self.store_options = _place(url, store_options, "StorageWriter")
+        if not isinstance(overwrite, bool):
+            raise InvalidArgument(f"StorageWriter: overwrite={overwrite!r}: pass a bool")
+        self.overwrite = overwrite
         # Checked here, not on every rank's first write.
         _save_config(compression, 1, chunk_bytes, staging_bytes, (), None, priority)
         self._save_options: dict[str, Any] = {
@@ -210,7 +254,23 @@ class StorageWriter(_StorageWriter):
         self._save = secrets.token_hex(8)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """This rank's plan, unchanged."""
+        """This rank's plan, unchanged; on the coordinator, with ``overwrite=False``, once
+        it is clear that no checkpoint is at the URL.
+
+        Raises:
+            InvalidArgument: ``overwrite=False`` and a checkpoint exists at the URL
+                ("Checkpoint already exists", as DCP says).
+        """
+        if not self.overwrite and self.is_coordinator:
+            # One rank asks, before any rank writes: DCP gathers this step's errors and
+            # raises them on every rank, so no rank writes a byte.
+            assert self.url is not None
+            if run_sync(_exists(self.url, self.store_options)):
+                raise InvalidArgument(
+                    f"Checkpoint already exists at {self.url} and overwrite=False: save to "
+                    "another checkpoint_id, or pass StorageWriter(..., overwrite=True) to "
+                    "replace it (the one there stays whole until the new one is complete)"
+                )
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -270,8 +330,10 @@ class StorageWriter(_StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` can name a checkpoint here (a URL or a path)."""
-        return isinstance(checkpoint_id, str | os.PathLike) and bool(os.fspath(checkpoint_id))
+        """Whether ``checkpoint_id`` names a place this plugin can open: a local path, or a
+        ``file://``, ``memory://NAME`` or ``s3://BUCKET`` URL (DCP takes the first plugin
+        that says yes, so any other URL is left to the plugins that know it)."""
+        return _openable(checkpoint_id)
 
 
 class _VersionWriter(StorageWriter):
@@ -334,20 +396,24 @@ class StorageReader(_StorageReader):
     StorageReader("s3://bucket/run1/step-1000", store_options={...}))``.
 
     Every chunk read is verified; a damaged one raises :class:`~asyncstore.IntegrityError`
-    naming the item's object and entry. Each rank reads only the entries its plan needs.
+    naming the item's object and the state's key. Each rank reads only the entries its plan needs.
 
-    ``.metadata`` is checksummed and unpickled with an allow-list of DCP's metadata classes;
-    the ranks' objects are read with ``weights_only=True``, and so are the non-tensor values
-    in them (DCP's planner unpickles those with ``weights_only=False``: each is checked
-    first with torch's restricted unpickler): a crafted checkpoint cannot run code. A state
-    holding objects of your own classes needs ``weights_only=False``, for checkpoints you
-    trust.
+    ``.metadata`` is checksummed and unpickled with an allow-list of DCP's metadata classes,
+    and the ranks' objects are read with ``weights_only=True``. The non-tensor values of the
+    state (an ``io.BytesIO``, numpy scalars, your own objects) are pickles that DCP's planner
+    unpickles with ``torch.load(weights_only=False)``, as it does for its own
+    ``FileSystemReader``: by default this reader loads what DCP loads, by DCP's rules (so
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` restricts them as it does there). A crafted value
+    can then run code: for a checkpoint you do not trust, pass ``weights_only=True``.
 
     Args:
         url: the checkpoint's directory; DCP's ``checkpoint_id``, when given, takes its place.
         store_options: options for :func:`asyncstore.open_store`.
-        weights_only: check every non-tensor value with torch's restricted unpickler before
-            DCP unpickles it (:class:`~asyncstore.UnsafeCheckpoint` if it refuses).
+        weights_only: check every non-tensor value with torch's restricted unpickler (and
+            its allow-list: ``torch.serialization.add_safe_globals``, ``safe_globals()``)
+            before DCP unpickles it; :class:`~asyncstore.UnsafeCheckpoint` names the
+            state's key it refuses. ``False`` by default, as DCP; the variable
+            ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns it on, as it does for ``torch.load``.
         partial_optimizer: allow a load that takes an optimizer's ``param_groups`` but not
             every saved entry of its ``state`` (by default :class:`~asyncstore.InvalidArgument`
             names the entries left out: a template from a fresh optimizer's ``state_dict()``
@@ -359,7 +425,7 @@ class StorageReader(_StorageReader):
         url: str | os.PathLike[str] | None = None,
         *,
         store_options: dict[str, Any] | None = None,
-        weights_only: bool = True,
+        weights_only: bool = False,
         partial_optimizer: bool = False,
     ) -> None:
         super().__init__()
@@ -487,18 +553,19 @@ class StorageReader(_StorageReader):
                     continue
             rest.append((item, target))
         if whole:
-            self._load(store, name, into=whole)
+            self._load(store, name, [item.storage_index.fqn for item, _ in filled], into=whole)
             for item, target in filled:
                 planner.commit_tensor(item, target)
         if not rest:
             return
         keys = sorted({self._entry(item)[1] for item, _ in rest})
-        loaded = self._load(store, name, keys=keys)
+        loaded = self._load(store, name, [item.storage_index.fqn for item, _ in rest], keys=keys)
         for item, target in rest:
             entry = self._entry(item)[1]
             value = loaded[entry]
+            fqn = item.storage_index.fqn
             if target is None:
-                planner.load_bytes(item, io.BytesIO(self._bytes(value, name, entry)))
+                planner.load_bytes(item, io.BytesIO(self._bytes(value, name, fqn)))
                 continue
             saved = self._saved.get(self._chunk_key(item))
             if (
@@ -507,8 +574,8 @@ class StorageReader(_StorageReader):
                 or (tuple(value.shape), value.dtype) != saved
             ):
                 raise IntegrityError(
-                    f"{self.url}/{name}: entry {entry} ({item.storage_index.fqn}) is not the "
-                    f"tensor {METADATA} describes: the checkpoint is damaged"
+                    f"{self.url}/{name}: {fqn!r} is not the tensor {METADATA} describes: the "
+                    "checkpoint is damaged"
                 )
             source = value
             for dim, (start, length) in enumerate(
@@ -517,28 +584,33 @@ class StorageReader(_StorageReader):
                 source = source.narrow(dim, start, length)
             if target.size() != source.size():
                 raise IntegrityError(
-                    f"{self.url}/{name}: item {item.storage_index} has shape "
+                    f"{self.url}/{name}: {fqn!r} at {tuple(item.storage_offsets)} has shape "
                     f"{tuple(source.size())}, the plan wants {tuple(target.size())}"
                 )
             target.copy_(source)
             planner.commit_tensor(item, target)
 
-    def _load(self, store: Store, name: str, **options: Any) -> Any:
+    def _load(self, store: Store, name: str, fqns: list[str], **options: Any) -> Any:
+        # The object's entries are numbered; a refusal names the state's keys read from it.
+        shown = ", ".join(repr(fqn) for fqn in sorted(set(fqns))[:5])
+        keys = f"{shown}, …" if len(set(fqns)) > 5 else shown
         try:
             return run_sync(_load((store, name), **options))
         except NotFound:
             raise IntegrityError(
-                f"{self.url}/{name} is missing: the checkpoint lost a rank's shards (damaged, "
-                "or deleted outside asyncstore); load an earlier one"
+                f"{self.url}/{name} is missing, and with it {keys}: the checkpoint lost a "
+                "rank's shards (damaged, or deleted outside asyncstore); load an earlier one"
             ) from None
         except InvalidArgument as exc:
             # into= found an entry of another shape or dtype than .metadata says.
             raise IntegrityError(
-                f"{self.url}/{name} does not hold the tensors {METADATA} describes ({exc}): the "
-                "checkpoint is damaged"
+                f"{self.url}/{name} does not hold the tensors {METADATA} describes for {keys} "
+                f"({exc}): the checkpoint is damaged"
             ) from None
+        except (IntegrityError, UnsafeCheckpoint) as exc:
+            raise type(exc)(f"{exc} (reading {keys})") from None
 
-    def _bytes(self, value: Any, name: str, entry: str) -> bytes:
+    def _bytes(self, value: Any, name: str, fqn: str) -> bytes:
         # A non-tensor value: its pickle, as one flat run of uint8 the object holds whole.
         if (
             not isinstance(value, torch.Tensor)
@@ -548,22 +620,27 @@ class StorageReader(_StorageReader):
             or value.untyped_storage().nbytes() < value.storage_offset() + value.numel()
         ):
             raise IntegrityError(
-                f"{self.url}/{name}: entry {entry} should be a value's bytes and is not: the "
+                f"{self.url}/{name}: {fqn!r} should be a value's bytes and is not: the "
                 "checkpoint is damaged"
             )
         raw = ctypes.string_at(value.data_ptr(), value.numel()) if value.numel() else b""
-        if self.weights_only:
+        if self.weights_only or _forced_weights_only():
+            # Checked here, not left to DCP's torch.load, so that a refusal names the key.
             try:
                 torch.load(io.BytesIO(raw), weights_only=True)
             except Exception as exc:
                 raise UnsafeCheckpoint(
-                    f"{self.url}/{name}: entry {entry} holds a value that weights_only=True "
-                    f"refuses ({_plain(exc)}); load checkpoints you trust with "
-                    "StorageReader(..., weights_only=False)"
+                    f"{self.url}/{name}: {fqn!r} holds a value that weights_only=True "
+                    f"refuses ({_plain(exc)}); allow its classes with "
+                    "torch.serialization.add_safe_globals, or load a checkpoint you trust "
+                    "with StorageReader(..., weights_only=False) and without "
+                    "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
                 ) from None
         return raw
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` can name a checkpoint here (a URL or a path)."""
-        return isinstance(checkpoint_id, str | os.PathLike) and bool(os.fspath(checkpoint_id))
+        """Whether ``checkpoint_id`` names a place this plugin can open: a local path, or a
+        ``file://``, ``memory://NAME`` or ``s3://BUCKET`` URL (DCP takes the first plugin
+        that says yes, so any other URL is left to the plugins that know it)."""
+        return _openable(checkpoint_id)
