@@ -37,7 +37,10 @@ if not referee.TESTS.is_dir():
         allow_module_level=True,
     )
 
-SUBSET = ("test_file_system_checkpoint_cpu.py::TestDistributedStateDictSaveLoad",)
+SUBSET = (
+    "test_file_system_checkpoint_cpu.py::TestDistributedStateDictSaveLoad",
+    "test_file_system_checkpoint_cpu.py::TestDistributedStateDictSaveLoadRot13",
+)
 """Single-process tests of tensors, blobs and dtype casts: what every save and load does.
 The whole selection (multi-rank resharding, e2e) takes too long for 2 cores in CI: run
 ``python benchmarks/referee_dcp.py`` for it."""
