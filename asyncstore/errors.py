@@ -10,6 +10,7 @@ Messages name the URL and key and say what to do next; they never contain creden
 
 from __future__ import annotations
 
+import pickle
 import re
 
 __all__ = [
@@ -31,11 +32,13 @@ class AsyncStoreError(Exception):
     """The root of every error asyncstore raises; catch it to handle them all."""
 
 
-class InvalidArgument(AsyncStoreError, ValueError):
+class InvalidArgument(AsyncStoreError, ValueError, TypeError):
     """Raised when a public entry point is given a value it cannot use.
 
     The message names the parameter, the offending value and what is accepted. Also a
-    :class:`ValueError`, so code written against the standard library keeps working.
+    :class:`ValueError` and a :class:`TypeError` (the standard library and torch raise
+    either for a bad argument, depending on the case), so a handler written for them keeps
+    working when asyncstore's functions replace theirs.
     """
 
 
@@ -97,7 +100,7 @@ class IntegrityError(AsyncStoreError):
     """
 
 
-class UnsafeCheckpoint(AsyncStoreError):
+class UnsafeCheckpoint(AsyncStoreError, pickle.UnpicklingError):
     """Raised when a checkpoint cannot be saved or loaded safely as asked.
 
     Loading with ``weights_only=True`` (the default) raises it for a checkpoint that names any
@@ -107,6 +110,9 @@ class UnsafeCheckpoint(AsyncStoreError):
     huge allocation, and for sizes that need more memory than the machine has free or more
     than the stored bytes can decode to, before anything of that size is allocated. Saving
     raises it for an object that cannot be pickled or a tensor on the meta device.
+
+    Also a :class:`pickle.UnpicklingError`, the error ``torch.load`` raises for what its
+    ``weights_only`` refuses, so a handler written for ``torch.load`` keeps working.
     """
 
 

@@ -17,13 +17,14 @@ import torch
 
 from .._concurrency import shield, to_thread
 from .._config import LoadConfig, build
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _plain
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 from . import _format as fmt
 from ._pickle import dtype_of
 from ._reader import ChunkReader, manifest_of
 from ._staging import byte_view
-from ._target import FileSource, Source, open_source, resolve
-from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view
+from ._target import Source, open_source, resolve
+from ._torchfile import TorchOptions, load_torch_file
+from ._unpickle import PlainUnpickler, RestrictedUnpickler, check_view, custom_unpickler
 
 __all__ = ["load", "read_manifest", "verify", "LoadOptions"]
 
@@ -200,6 +201,10 @@ async def load(
     into: dict[str, Any] | None = None,
     safe_globals: Iterable[Any] = (),
     store_options: dict[str, Any] | None = None,
+    pickle_module: Any = None,
+    mmap: bool = False,
+    pickle_load_args: Mapping[str, Any] | None = None,
+    mmap_flags: int | None = None,
 ) -> Any:
     """Load a checkpoint written by :func:`asyncstore.save` (or a ``torch.save`` file).
 
@@ -221,6 +226,18 @@ async def load(
             Returns ``into``.
         safe_globals: extra classes or functions ``weights_only=True`` may unpickle.
         store_options: options for ``open_store`` when ``source`` is a URL or path.
+        pickle_module: as for ``torch.load``: the module whose ``Unpickler`` unpickles the
+            structure (with ``weights_only=False`` only; its errors are raised as they are).
+        mmap: as for ``torch.load``: tensors stored raw (not compressed) in a local file
+            are built over a private memory map of it, not read into memory; their bytes
+            are still checksummed once (through the map). Compressed storages are decoded
+            into memory, as without it.
+        pickle_load_args: the unpickler's keywords (``encoding``, ``errors``,
+            ``fix_imports``), as ``torch.load`` takes them.
+        mmap_flags: ``mmap.MAP_PRIVATE`` (changes to the tensors stay in memory) or
+            ``mmap.MAP_SHARED`` (they reach the file, which then fails its checksums); by
+            default what ``torch.serialization.set_default_mmap_options`` set for the
+            calling thread.
 
     Raises:
         IntegrityError: a byte of the checkpoint changed; the message names the tensor,
@@ -247,6 +264,13 @@ async def load(
     if keys is not None and into is not None:
         raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
     wanted = None if config.keys is None else list(config.keys)
+    options = TorchOptions(pickle_module, mmap, pickle_load_args, mmap_flags)
+    if weights_only and pickle_module is not None:
+        raise InvalidArgument(
+            f"pickle_module={pickle_module!r} cannot be used with weights_only=True (its "
+            "Unpickler would run instead of the checked one): pass weights_only=False for a "
+            "checkpoint you trust"
+        )
     if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
         raise InvalidArgument(
             f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
@@ -271,8 +295,9 @@ async def load(
                 raise IntegrityError(
                     f"{src.url} is neither an asyncstore checkpoint nor a torch.save file"
                 )
-            return await _load_torch(src, map_location, weights_only, wanted, into, safe_globals)
-        return await _load(reader, map_location, weights_only, wanted, into, safe_globals)
+            obj = await load_torch_file(src, map_location, weights_only, safe_globals, options)
+            return _select(obj, wanted, into, src.url)
+        return await _load(reader, map_location, weights_only, wanted, into, safe_globals, options)
 
 
 async def _load(
@@ -282,6 +307,7 @@ async def _load(
     wanted: list[str] | None,
     into: dict[str, Any] | None,
     safe_globals: Iterable[Any],
+    options: TorchOptions,
 ) -> Any:
     src, manifest = reader.source, reader.manifest
     if callable(map_location):
@@ -316,7 +342,7 @@ async def _load(
             if not isinstance(value, torch.Tensor | dict | list | tuple)
             for sid in manifest.entries[key]
         }
-    storages = await _read(reader, by_id, needed, map_location)
+    storages = await _read(reader, by_id, needed, map_location, options)
     meta: dict[int, int] = {}  # meta storage's C pointer -> storage id (for into=)
 
     persistent_load = storage_loader(src.url, by_id, storages, meta)
@@ -324,11 +350,17 @@ async def _load(
     async def unpickle() -> Any:
         meta.clear()
         stream = io.BytesIO(structure)
-        unpickler = (
-            RestrictedUnpickler(stream, persistent_load, src.url, safe_globals)
-            if weights_only
-            else PlainUnpickler(stream, persistent_load)
-        )
+        args = options.pickle_load_args
+        if weights_only:
+            unpickler: Any = RestrictedUnpickler(
+                stream, persistent_load, src.url, safe_globals, **args
+            )
+        elif options.pickle_module is not None:
+            # The caller's module (dill, say): its errors are its own, raised as they are.
+            unpickler = custom_unpickler(options.pickle_module, stream, persistent_load, args)
+            return await to_thread(unpickler.load)
+        else:
+            unpickler = PlainUnpickler(stream, persistent_load, **args)
         try:
             # In a thread: the checked unpickler is pure Python, and a structure of 100,000
             # tensors would hold the event loop for seconds (torch.save files load there too).
@@ -352,7 +384,7 @@ async def _load(
     # They are found only now, in the structure: read their storages and unpickle again.
     more = _placeholders(src.url, meta, plan, manifest.entries)
     if more:
-        storages.update(await _read(reader, by_id, more, map_location))
+        storages.update(await _read(reader, by_id, more, map_location, options))
         obj = await unpickle()
         plan = _plan(obj, into)
     _check_read(src.url, meta, [(top, value) for top, _, _, value in plan.sets])
@@ -391,9 +423,17 @@ def storage_loader(
 
 
 async def _read(
-    reader: ChunkReader, by_id: dict[int, fmt.Storage], sids: set[int], map_location: Any
+    reader: ChunkReader,
+    by_id: dict[int, fmt.Storage],
+    sids: set[int],
+    map_location: Any,
+    options: TorchOptions,
 ) -> dict[int, torch.UntypedStorage]:
-    read = await reader.storages([by_id[i] for i in sorted(sids)])
+    entries = [by_id[i] for i in sorted(sids)]
+    if options.mmap:
+        read = await reader.mapped_storages(entries, shared=options.mmap_shared)
+    else:
+        read = await reader.storages(entries)
     return {
         sid: _to(storage, _device_for(by_id[sid].location, map_location))
         for sid, storage in read.items()
@@ -676,39 +716,3 @@ def _select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url
             target.copy_(loaded)
     _apply(plan)
     return into
-
-
-async def _load_torch(
-    src: Source,
-    map_location: Any,
-    weights_only: bool,
-    wanted: list[str] | None,
-    into: dict[str, Any] | None,
-    safe_globals: Iterable[Any],
-) -> Any:
-    # Not one of ours: a torch.save file, loaded by torch (users switch without converting).
-    allowed = list(safe_globals)
-
-    def run(file: Any) -> Any:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(file, map_location=map_location, weights_only=weights_only)
-
-    try:
-        if src.local_path is not None:
-            obj = await to_thread(run, src.local_path)
-        elif isinstance(src, FileSource):
-            src.rewind()
-            obj = await to_thread(run, src.file)
-        else:
-            data = await src.read(0, await src.size())
-            obj = await to_thread(run, io.BytesIO(data))
-    except Exception as exc:
-        if "weights_only" in str(exc) or "Weights only" in str(exc):
-            raise UnsafeCheckpoint(
-                f"{src.url} is a torch.save file that weights_only=True refuses: {_plain(exc)}"
-            ) from exc
-        raise IntegrityError(
-            f"{src.url} is neither an asyncstore checkpoint nor a file torch.load reads "
-            f"({_plain(exc)})"
-        ) from exc
-    return _select(obj, wanted, into, src.url)

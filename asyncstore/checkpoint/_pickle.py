@@ -17,9 +17,16 @@ from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 
-__all__ = ["StoragePickler", "SavedStorage", "dtype_name", "dtype_of", "pickle_structure"]
+__all__ = [
+    "StoragePickler",
+    "SavedStorage",
+    "check_protocol",
+    "dtype_name",
+    "dtype_of",
+    "pickle_structure",
+]
 
 PROTOCOL = 4
 
@@ -73,11 +80,12 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
-class StoragePickler(pickle.Pickler):
-    """Pickles an object, replacing every tensor storage with ``("storage", id, dtype)``."""
+class _StorageIds:
+    """What a pickler needs to replace every tensor storage with ``("storage", id,
+    dtype)``: mixed into ``pickle.Pickler`` (:class:`StoragePickler`) or the ``Pickler`` of
+    the caller's ``pickle_module`` (``dill``, say)."""
 
-    def __init__(self, file: io.BytesIO, storages: dict[int, SavedStorage]) -> None:
-        super().__init__(file, protocol=PROTOCOL)
+    def _track(self, storages: dict[int, SavedStorage]) -> None:
         self.storages = storages  # by the storage's C pointer, shared across picklers
         self.entry = ""  # the top-level entry being pickled, for names in messages
         self.seen: set[int] = set()  # storage ids this pickler referenced
@@ -118,6 +126,55 @@ class StoragePickler(pickle.Pickler):
         raise UnsafeCheckpoint(_meta_message("the object" if name is None else repr(name)))
 
 
+class StoragePickler(_StorageIds, pickle.Pickler):
+    """Pickles an object, replacing every tensor storage with ``("storage", id, dtype)``."""
+
+    def __init__(
+        self, file: io.BytesIO, storages: dict[int, SavedStorage], protocol: int = PROTOCOL
+    ) -> None:
+        super().__init__(file, protocol=protocol)
+        self._track(storages)
+
+
+_PICKLERS: dict[type, type] = {}  # a pickle module's Pickler -> that Pickler with _StorageIds
+
+
+def _pickler(
+    module: Any, file: io.BytesIO, storages: dict[int, SavedStorage], protocol: int
+) -> Any:
+    """A pickler writing to ``file``: :class:`StoragePickler`, or one built on the
+    ``Pickler`` of ``module`` (the caller's ``pickle_module``)."""
+    if module is None or module is pickle:
+        return StoragePickler(file, storages, protocol)
+    base = getattr(module, "Pickler", None)
+    if not isinstance(base, type):
+        raise InvalidArgument(
+            f"pickle_module={module!r} has no Pickler class: pass a module such as pickle or dill"
+        )
+    cls = _PICKLERS.get(base)
+    if cls is None:
+        cls = _PICKLERS[base] = type("StoragePickler", (_StorageIds, base), {})
+    pickler = cls(file, protocol=protocol)
+    pickler._track(storages)
+    return pickler
+
+
+def check_protocol(protocol: object) -> int:
+    """``pickle_protocol`` as given to ``save`` (``None``: asyncstore's, 4), checked."""
+    if protocol is None:
+        return PROTOCOL
+    if (
+        not isinstance(protocol, int)
+        or isinstance(protocol, bool)
+        or not 2 <= protocol <= pickle.HIGHEST_PROTOCOL
+    ):
+        raise InvalidArgument(
+            f"pickle_protocol={protocol!r}: pass a pickle protocol from 2 to "
+            f"{pickle.HIGHEST_PROTOCOL}, or leave it out (asyncstore uses {PROTOCOL})"
+        )
+    return protocol
+
+
 def _meta_message(name: str) -> str:
     return (
         f"{name} is a tensor on the meta device, which has no data to save; materialise it "
@@ -127,16 +184,17 @@ def _meta_message(name: str) -> str:
 
 
 def pickle_structure(
-    obj: Any,
+    obj: Any, pickle_module: Any = None, protocol: int = PROTOCOL
 ) -> tuple[bytes, list[SavedStorage], dict[str, list[int]] | None]:
-    """Pickle ``obj``; returns the bytes, the storages in order, and for a dict with str
-    keys, each key's storage ids (so that a partial load reads only those)."""
+    """Pickle ``obj`` (with ``pickle_module``'s Pickler, when given, and ``protocol``);
+    returns the bytes, the storages in order, and for a dict with str keys, each key's
+    storage ids (so that a partial load reads only those)."""
     storages: dict[int, SavedStorage] = {}
     entries: dict[str, list[int]] | None = None
     buffer = io.BytesIO()
     names = _tensor_paths(obj)
     try:
-        pickler = StoragePickler(buffer, storages)
+        pickler = _pickler(pickle_module, buffer, storages, protocol)
         pickler.names = names
         pickler.dump(obj)
         if type(obj) in (dict, collections.OrderedDict) and all(isinstance(k, str) for k in obj):
@@ -150,7 +208,7 @@ def pickle_structure(
                 if saved is not None:
                     entries[key] = [saved.id]
                     continue
-                probe = StoragePickler(io.BytesIO(), storages)
+                probe = _pickler(pickle_module, io.BytesIO(), storages, protocol)
                 probe.entry, probe.names = key, names
                 probe.dump(value)
                 entries[key] = sorted(probe.seen)
@@ -159,6 +217,8 @@ def pickle_structure(
                 for sid in probe.seen:
                     if by_id[sid].name == "<object>":
                         by_id[sid].name = key  # a tensor inside an object: named by its entry
+    except InvalidArgument:
+        raise
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
     return buffer.getvalue(), list(storages.values()), entries

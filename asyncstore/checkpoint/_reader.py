@@ -20,7 +20,7 @@ import xxhash
 
 from .._concurrency import TaskSet, to_thread
 from .._iov import IOV_MAX, advance
-from ..errors import IntegrityError, NotFound, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
 from . import _format as fmt
 from ._staging import byte_view
 from ._target import Source, StoreSource
@@ -325,6 +325,59 @@ class ChunkReader:
         await self._read(targets)
         return out
 
+    async def mapped_storages(
+        self, entries: list[fmt.Storage], *, shared: bool = False
+    ) -> dict[int, torch.UntypedStorage]:
+        """:meth:`storages` for ``load(mmap=True)``: each entry stored raw and in one piece
+        (contiguous chunks in the checkpoint object itself) is built over a memory map of
+        the file (private and copy-on-write; ``shared``: changes reach the file), verified
+        through the map (the checksums read its pages once; no memory of the process
+        holds a copy); the others are read as :meth:`storages` reads them.
+
+        Raises:
+            InvalidArgument: the checkpoint is not in a local file, which a map needs.
+            IntegrityError: a chunk does not match its checksum.
+        """
+        where = self.source.mappable()
+        if where is None:
+            raise InvalidArgument(
+                f"mmap=True: {self.source.url} is not a local file, which a memory map "
+                "needs; load it without mmap, or copy it to a local disk first"
+            )
+        path, base = where
+        mapped: list[tuple[fmt.Storage, int]] = []
+        rest: list[fmt.Storage] = []
+        for entry in entries:
+            start = _raw_extent(entry)
+            if start is None:
+                rest.append(entry)
+            else:
+                mapped.append((entry, base + start))
+        out: dict[int, torch.UntypedStorage] = {}
+        if mapped:
+            await self.check_extents(entry for entry, _ in mapped)
+            out = await to_thread(self._map, path, mapped, shared, limiter=self.decoders)
+        if rest:
+            out.update(await self.storages(rest))
+        return out
+
+    def _map(
+        self, path: str, mapped: list[tuple[fmt.Storage, int]], shared: bool
+    ) -> dict[int, torch.UntypedStorage]:
+        size = max(start + entry.nbytes for entry, start in mapped)
+        whole: torch.UntypedStorage = torch.UntypedStorage.from_file(path, shared, size)  # type: ignore[assignment]
+        flat = torch.empty(0, dtype=torch.uint8).set_(whole)
+        out: dict[int, torch.UntypedStorage] = {}
+        for entry, start in mapped:
+            position = start
+            for index, chunk in enumerate(entry.chunks):
+                view = byte_view(flat, position, chunk.stored)
+                target = ChunkRead(chunk, view, f"chunk {index} of tensor {entry.name!r}")
+                self._check(view, target)
+                position += chunk.stored
+            out[entry.id] = whole[start : start + entry.nbytes]
+        return out
+
     async def read_into(self, entry: fmt.Storage, memory: memoryview) -> None:
         """Read and verify ``entry``'s bytes straight into ``memory`` (exactly its size):
         a tensor's own memory, with no buffer between (raw local chunks land there with
@@ -354,6 +407,27 @@ class ChunkReader:
                 f"{self.source.url}: tensor {entry.name!r} has {position} of {entry.nbytes} bytes"
             )
         return targets
+
+
+def _raw_extent(entry: fmt.Storage) -> int | None:
+    """Where ``entry``'s bytes start in the checkpoint object when they lie there as they
+    are, in one piece (every chunk raw, inline, each right after the one before), else
+    ``None`` (a compressed chunk, a chunk in a pack, an empty storage)."""
+    if not entry.chunks or entry.nbytes == 0:
+        return None
+    start = position = entry.chunks[0].offset
+    total = 0
+    for index, chunk in enumerate(entry.chunks):
+        if (
+            chunk.codec != "raw"
+            or entry.pack_of(index) != fmt.INLINE
+            or chunk.offset != position
+            or chunk.stored != chunk.raw
+        ):
+            return None
+        position += chunk.stored
+        total += chunk.raw
+    return start if total == entry.nbytes else None
 
 
 _SMALL = 64 * 1024  # storages below this come from a bytearray (see fixed_storage)

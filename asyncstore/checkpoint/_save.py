@@ -16,7 +16,7 @@ from ..stores import Store
 from ._codec import Codecs, Known
 from ._handle import SaveHandle
 from ._packfile import PackId
-from ._pickle import pickle_structure
+from ._pickle import PROTOCOL, check_protocol, pickle_structure
 from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
 from ._target import Resolved, Sink, open_sink, resolve
@@ -82,6 +82,8 @@ async def save(
     metadata: dict[str, Any] | None = None,
     store_options: dict[str, Any] | None = None,
     priority: Literal["low", "normal"] = "low",
+    pickle_module: Any = None,
+    pickle_protocol: int | None = None,
 ) -> SaveHandle:
     """Save ``obj`` (a state dict, or any picklable object holding tensors) as a checkpoint.
 
@@ -111,6 +113,11 @@ async def save(
             want them and the save goes on in what they leave; ``"normal"`` when the save
             should finish as soon as possible. The snapshot (what the caller waits for)
             always runs at normal priority.
+        pickle_module: the module whose ``Pickler`` pickles the structure (``dill``, for
+            objects ``pickle`` cannot save), as for ``torch.save``; default ``pickle``. Load
+            such a checkpoint with the same ``pickle_module`` and ``weights_only=False``.
+        pickle_protocol: the pickle protocol of the structure, 2 to
+            ``pickle.HIGHEST_PROTOCOL``; default 4.
 
     Only one save per target runs at a time in an event loop; a second waits for the first
     to commit before its snapshot.
@@ -121,8 +128,9 @@ async def save(
     """
     started = time.perf_counter()
     config = _config(compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority)
+    pickling = (pickle_module, check_protocol(pickle_protocol))
     resolved = resolve(target, store_options, writing=True)
-    return await _start(obj, resolved, config, started, None)
+    return await _start(obj, resolved, config, started, None, pickling)
 
 
 async def save_packed(
@@ -156,6 +164,7 @@ async def _start(
     config: SaveConfig,
     started: float,
     packed: tuple[str, Known, dict[str, PackId]] | None,
+    pickling: tuple[Any, int] = (None, PROTOCOL),
 ) -> SaveHandle:
     locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
     lock = locks.setdefault(resolved.url, asyncio.Lock())
@@ -164,7 +173,7 @@ async def _start(
     sink: Sink | None = None
     pack: PackTarget | None = None
     try:
-        structure, storages, entries = pickle_structure(obj)
+        structure, storages, entries = pickle_structure(obj, *pickling)
         pool = staging_pool(config.chunk_bytes)
         pool.set_budget(config.staging_bytes)
         where = resolved.url.rpartition("/")[0]

@@ -60,6 +60,13 @@ class Source:
             "load it by path or URL, not from a file object"
         )
 
+    def mappable(self) -> tuple[str, int] | None:
+        """A local file holding these bytes and where they start in it, for a memory map
+        (``load(mmap=True)``), or ``None`` when there is none (a remote object)."""
+        if self.local_path is not None:
+            return self.local_path, 0
+        return None
+
     async def aclose(self) -> None:
         """Release what the source opened."""
 
@@ -413,3 +420,10 @@ class FileSource(Source):
 
     def rewind(self) -> None:
         self._file.seek(self._start)
+
+    def mappable(self) -> tuple[str, int] | None:
+        # A file object opened on a local file (open(), a NamedTemporaryFile) names it.
+        name = getattr(self._file, "name", None)
+        if isinstance(name, str) and os.path.isfile(name):
+            return name, self._start
+        return None

@@ -26,7 +26,7 @@ import io
 import pickle
 import reprlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -256,8 +256,8 @@ class BoundedUnpickler(_PyUnpickler):  # type: ignore[misc]
 
     dispatch = _bounded
 
-    def __init__(self, file: io.BytesIO, where: str) -> None:
-        super().__init__(file)
+    def __init__(self, file: io.BytesIO, where: str, **unpickler_args: Any) -> None:
+        super().__init__(file, **unpickler_args)
         self._pickle_bytes = file.getbuffer().nbytes
         self._where = where
 
@@ -302,8 +302,9 @@ class RestrictedUnpickler(BoundedUnpickler):
         persistent_load: Callable[[Any], Any],
         where: str,
         safe_globals: Iterable[Any] = (),
+        **unpickler_args: Any,
     ) -> None:
-        super().__init__(file, where)
+        super().__init__(file, where, **unpickler_args)
         self._checks = _Checks(where, self._pickle_bytes)
         self._allowed = _allowed(self._checks)
         self._trusted: set[type] = set()
@@ -468,9 +469,25 @@ class RestrictedUnpickler(BoundedUnpickler):
 class PlainUnpickler(pickle.Unpickler):
     """Unpickles anything (``weights_only=False``): only for checkpoints you trust."""
 
-    def __init__(self, file: io.BytesIO, persistent_load: Callable[[Any], Any]) -> None:
-        super().__init__(file)
+    def __init__(
+        self, file: io.BytesIO, persistent_load: Callable[[Any], Any], **unpickler_args: Any
+    ) -> None:
+        super().__init__(file, **unpickler_args)
         self._persistent = persistent_load
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)
+
+
+def custom_unpickler(
+    module: Any,
+    file: io.BytesIO,
+    persistent_load: Callable[[Any], Any],
+    unpickler_args: Mapping[str, Any],
+) -> Any:
+    """An unpickler of ``module`` (the caller's ``pickle_module``, ``weights_only=False``)
+    reading ``file``, handing each persistent id to ``persistent_load``, as ``torch.load``
+    builds one."""
+    unpickler = module.Unpickler(file, **unpickler_args)
+    unpickler.persistent_load = persistent_load
+    return unpickler

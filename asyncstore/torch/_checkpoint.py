@@ -7,9 +7,12 @@ import concurrent.futures
 import io
 import logging
 import os
+import pickle
+import warnings
 from typing import TYPE_CHECKING, Any, Unpack
 
 import torch
+import torch.utils.serialization
 
 from .._concurrency import ExitStep, at_exit, to_thread
 from .._loop import bridge_loop, run_sync
@@ -66,12 +69,41 @@ def _check_options(options: dict[str, Any], allowed: frozenset[str], func: str) 
         )
 
 
-async def _save_and_wait(obj: Any, f: Any, options: SaveOptions) -> SaveResult:
+async def _save_and_wait(obj: Any, f: Any, options: dict[str, Any]) -> SaveResult:
     handle = await _save(obj, f, **options)
     return await handle.wait()
 
 
-def save(obj: Any, f: Any, **options: Unpack[SaveOptions]) -> SaveResult:
+def _save_options(
+    func: str,
+    options: dict[str, Any],
+    pickle_module: Any,
+    pickle_protocol: Any,
+    use_new_zipfile: Any,
+    disable_byteorder_record: Any,
+) -> dict[str, Any]:
+    # torch.save's keywords, checked, beside asyncstore's own options.
+    _check_options(options, SaveOptions.__optional_keys__, func)
+    for name, value in (
+        ("_use_new_zipfile_serialization", use_new_zipfile),
+        ("_disable_byteorder_record", disable_byteorder_record),
+    ):
+        if not isinstance(value, bool):
+            raise InvalidArgument(f"{func}({name}={value!r}): pass True or False")
+    if pickle_module is pickle:
+        pickle_module = None
+    return {**options, "pickle_module": pickle_module, "pickle_protocol": pickle_protocol}
+
+
+def save(
+    obj: Any,
+    f: Any,
+    pickle_module: Any = pickle,
+    pickle_protocol: int | None = None,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
+    **options: Unpack[SaveOptions],
+) -> SaveResult:
     """Save ``obj`` like ``torch.save``, and return once the checkpoint is committed.
 
     ``f`` is what ``torch.save`` accepts (a path, a PathLike, a writable binary file object)
@@ -80,25 +112,52 @@ def save(obj: Any, f: Any, **options: Unpack[SaveOptions]) -> SaveResult:
     complete. Options (``compression``, ``level``, ``chunk_bytes``, ``staging_bytes``,
     ``exclude``, ``metadata``, ``store_options``, ``priority``) as for
     :func:`asyncstore.save`.
+
+    Every keyword of ``torch.save`` is accepted: ``pickle_module`` (``dill``, say) pickles
+    the structure, ``pickle_protocol`` is its protocol (default 4, where torch's is 2).
+    ``_use_new_zipfile_serialization`` and ``_disable_byteorder_record`` choose between
+    torch's own containers and byte-order records: asyncstore writes its own format either
+    way, whose byte order is always little-endian and recorded by the format itself (see
+    docs/checkpoints.md, "Drop-in for torch.save and torch.load").
     """
-    _check_options(dict(options), SaveOptions.__optional_keys__, "save")
-    return run_sync(_save_and_wait(obj, f, options))
+    kwargs = _save_options(
+        "save",
+        dict(options),
+        pickle_module,
+        pickle_protocol,
+        _use_new_zipfile_serialization,
+        _disable_byteorder_record,
+    )
+    return run_sync(_save_and_wait(obj, f, kwargs))
 
 
 def save_async(
-    obj: Any, f: Any, **options: Unpack[SaveOptions]
+    obj: Any,
+    f: Any,
+    pickle_module: Any = pickle,
+    pickle_protocol: int | None = None,
+    _use_new_zipfile_serialization: bool = True,
+    _disable_byteorder_record: bool = False,
+    **options: Unpack[SaveOptions],
 ) -> concurrent.futures.Future[SaveResult]:
     """Start saving ``obj`` and return once its tensors are snapshotted.
 
     The training loop may change its tensors as soon as this returns. Compression and
     writing go on in asyncstore's background thread; the returned future gives the
     :class:`~asyncstore.SaveResult` (``future.result()`` waits for the commit) or raises
-    the save's error. Errors in the arguments raise here, at once. Options as for
-    :func:`save`.
+    the save's error. Errors in the arguments raise here, at once. Options and
+    ``torch.save``'s keywords as for :func:`save`.
     """
-    _check_options(dict(options), SaveOptions.__optional_keys__, "save_async")
+    kwargs = _save_options(
+        "save_async",
+        dict(options),
+        pickle_module,
+        pickle_protocol,
+        _use_new_zipfile_serialization,
+        _disable_byteorder_record,
+    )
     try:
-        handle = run_sync(_save(obj, f, **options))
+        handle = run_sync(_save(obj, f, **kwargs))
     except (NotFound, PermissionDenied, StoreError, StoreUnavailable) as exc:
         # The store's errors (a server down, a missing bucket) are the save's outcome,
         # given by the future like those that come after the snapshot.
@@ -116,16 +175,81 @@ def _pending(handle: SaveHandle) -> concurrent.futures.Future[SaveResult]:
     return future
 
 
-def load(f: Any, map_location: Any = None, **options: Unpack[LoadOptions]) -> Any:
+_TRUE = ("1", "y", "yes", "true")
+
+
+def _weights_only(weights_only: Any, pickle_module: Any) -> bool:
+    """``weights_only`` as ``torch.load`` settles it: ``None`` is ``True`` (``False`` with a
+    ``pickle_module``); ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces ``True``, and
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` ``False`` where the caller did not choose."""
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise InvalidArgument(f"weights_only={weights_only!r}: pass True, False or None")
+    force = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_not = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_not:
+        raise InvalidArgument(
+            "TORCH_FORCE_WEIGHTS_ONLY_LOAD and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD are both set: "
+            "unset one of them"
+        )
+    if force:
+        return True
+    if weights_only is None:
+        if force_not:
+            warnings.warn(
+                "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set and weights_only was not passed: "
+                "loading with weights_only=False",
+                UserWarning,
+                stacklevel=3,
+            )
+            return False
+        return pickle_module is None
+    return weights_only
+
+
+def load(
+    f: Any,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    **options: Any,
+) -> Any:
     """Load a checkpoint like ``torch.load``, verifying every chunk.
 
     Reads checkpoints written by :func:`save` and plain ``torch.save`` files alike, so code
-    can switch without converting anything. ``weights_only=True`` by default. Options
-    (``weights_only``, ``keys``, ``into``, ``safe_globals``, ``store_options``) as for
-    :func:`asyncstore.load`.
+    can switch without converting anything. Options (``weights_only``, ``keys``, ``into``,
+    ``safe_globals``, ``store_options``) as for :func:`asyncstore.load`.
+
+    Every keyword of ``torch.load`` is accepted. ``weights_only=None`` (the default) means
+    what it means to ``torch.load``: ``True``, or ``False`` with a ``pickle_module``, and
+    the ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    variables apply. ``pickle_module`` unpickles the structure (``weights_only=False``
+    only). ``mmap=True`` builds tensors stored raw over a memory map of a local file
+    instead of reading them into memory (``None`` is torch's configured default). The
+    unpickler's keywords (``encoding``, ``errors``, ``fix_imports``) are passed to it. A
+    plain ``torch.save`` file gets all of them through ``torch.load`` itself.
     """
-    _check_options(dict(options), LoadOptions.__optional_keys__, "load")
-    return run_sync(_load(f, map_location=map_location, **options))
+    ours = {k: v for k, v in options.items() if k in LoadOptions.__optional_keys__}
+    unpickler_args = {k: v for k, v in options.items() if k not in ours}
+    if "weights_only" in ours:  # only through **options when given by name twice
+        raise InvalidArgument("load() got weights_only twice")
+    if mmap is None:
+        mmap = bool(torch.utils.serialization.config.load.mmap)
+    chosen = _weights_only(weights_only, pickle_module)
+    return run_sync(
+        _load(
+            f,
+            map_location=map_location,
+            weights_only=chosen,
+            pickle_module=pickle_module,
+            mmap=mmap,
+            pickle_load_args=unpickler_args,
+            # torch keeps this per thread; the load runs on asyncstore's.
+            mmap_flags=torch.serialization.get_default_mmap_options(),
+            **ours,
+        )
+    )
 
 
 def export(src: Any, dst: Any, *, store_options: dict[str, Any] | None = None) -> str:
