@@ -342,3 +342,27 @@ os._exit(0)
 def test_ranks_that_count_restarts_differently_still_make_one_group(tmp_path: Path) -> None:
     outputs = wait_ranks(spawn_ranks(RESTART_COUNT_SCRIPT, 2, str(tmp_path / "run")), timeout=60)
     assert all("SUM 2" in output for output in outputs), outputs
+
+
+class Custom:
+    """A value of the user's own class, which torch's restricted unpickler refuses."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def test_a_runs_loads_are_weights_only_unless_told(tmp_path: Path) -> None:
+    # A plain StorageReader follows DCP's own rule (weights_only=False); a Checkpointer's
+    # loads stay as its load() does: restricted by default.
+    from asyncstore import UnsafeCheckpoint
+
+    with asyncstore.torch.Checkpointer(tmp_path / "run") as ckpt:
+        ckpt.dcp_save({"obj": Custom(7), "step": 1}, 1)
+        with pytest.raises(UnsafeCheckpoint, match="'obj'"):
+            ckpt.dcp_load({"obj": None, "step": 0})
+        trusted: dict[str, Any] = {"obj": None, "step": 0}
+        assert ckpt.dcp_load(trusted, weights_only=False) == 1
+        assert isinstance(trusted["obj"], Custom)
+        assert trusted["obj"].value == 7
+        assert ckpt.dcp_reader().weights_only is True
+        assert ckpt.dcp_reader(weights_only=False).weights_only is False

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .._loop import run_sync
 from ..checkpoint import Checkpointer as _AsyncCheckpointer
 from ..checkpoint import Version
-from ..errors import IntegrityError, InvalidArgument, NotFound, StoreError
+from ..errors import IntegrityError, InvalidArgument, NotFound, StoreError, UnsafeCheckpoint
 
 if TYPE_CHECKING:
     from . import dcp
@@ -260,7 +260,9 @@ class DistributedMethods:
         if pending is not None:
             pending.result()
 
-    def dcp_reader(self, step: int | None = None) -> dcp.StorageReader:
+    def dcp_reader(
+        self, step: int | None = None, *, weights_only: bool = True
+    ) -> dcp.StorageReader:
         """A ``torch.distributed.checkpoint`` storage reader of the distributed version of
         ``step``, or of the newest one whose ``.metadata`` verifies: on every rank,
         ``dcp.load(state, storage_reader=ckpt.dcp_reader())``. :meth:`dcp_load` does the
@@ -271,6 +273,12 @@ class DistributedMethods:
         With ``step=None`` under an initialized process group, rank 0 finds the version and
         tells the others (collectively: call it on every rank), so that every rank loads the
         same version even if a save commits meanwhile.
+
+        ``weights_only=True`` (the default, as for :meth:`load`): the state's non-tensor
+        values are checked with torch's restricted unpickler and allow-list before DCP
+        unpickles them (a plain :class:`~asyncstore.torch.dcp.StorageReader` defaults to
+        DCP's own rule, ``False``); pass ``False`` for a run you trust whose state holds
+        objects of your own classes.
 
         Raises:
             NotFound: there is no distributed version (of ``step``, or at all).
@@ -284,7 +292,9 @@ class DistributedMethods:
             step = ckpt._check_step(step)
         self._dcp_wait()  # its collectives run on the same group as the agreement's
         found = self._agreed_dcp(step, {})
-        return dcp.StorageReader(ckpt._dcp_url(found), store_options=ckpt._store_options)
+        return dcp.StorageReader(
+            ckpt._dcp_url(found), store_options=ckpt._store_options, weights_only=weights_only
+        )
 
     def dcp_load(
         self,
@@ -293,6 +303,7 @@ class DistributedMethods:
         *,
         planner: Any = None,
         partial_optimizer: bool = False,
+        weights_only: bool = True,
     ) -> int:
         """Load a distributed version into ``state`` in place, on every rank (collectively),
         and return its step: ``step = ckpt.dcp_load(state)``.
@@ -310,7 +321,8 @@ class DistributedMethods:
         optimizer's ``state_dict()`` has no moments yet), the load is refused rather than
         leaving AdamW's ``exp_avg``/``exp_avg_sq`` behind. Build ``state`` with
         ``get_state_dict(model, optimizer)`` (or use :meth:`load_training_state`), or pass
-        ``partial_optimizer=True`` to load part of it on purpose.
+        ``partial_optimizer=True`` to load part of it on purpose. ``weights_only`` as for
+        :meth:`dcp_reader` (default ``True``).
 
         Raises:
             NotFound: there is no distributed version (of ``step``, or at all).
@@ -318,6 +330,8 @@ class DistributedMethods:
                 named with what failed).
             InvalidArgument: ``step`` is not an int >= 0, or ``state`` leaves out part of
                 a saved optimizer state (every rank raises it).
+            UnsafeCheckpoint: with ``weights_only=True``, a value the restricted
+                unpickler refuses (every rank raises it).
             torch.distributed.checkpoint.api.CheckpointException: any other failure of the
                 load (say, a ``state`` whose shapes are not the checkpoint's), as
                 ``dcp.load`` raises it.
@@ -336,7 +350,10 @@ class DistributedMethods:
             found = self._agreed_dcp(step, failed)
             url = ckpt._dcp_url(found)
             reader = dcp.StorageReader(
-                url, store_options=ckpt._store_options, partial_optimizer=partial_optimizer
+                url,
+                store_options=ckpt._store_options,
+                partial_optimizer=partial_optimizer,
+                weights_only=weights_only,
             )
             try:
                 state_dict_loader.load(
@@ -346,10 +363,12 @@ class DistributedMethods:
                 refusals = [
                     error
                     for _, (error, _) in sorted(exc.failures.items())
-                    if isinstance(error, InvalidArgument)
+                    if isinstance(error, InvalidArgument | UnsafeCheckpoint)
                 ]
                 if refusals and len(refusals) == len(exc.failures):
-                    raise refusals[0] from None  # the same on every rank: say it plainly
+                    # Told to every rank by DCP: say it plainly, with no fallback (an older
+                    # version holds the same kind of state).
+                    raise refusals[0] from None
                 damage = [
                     (rank, error)
                     for rank, (error, _) in sorted(exc.failures.items())
