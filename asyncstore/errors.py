@@ -42,6 +42,13 @@ class InvalidArgument(AsyncStoreError, ValueError, TypeError):
     """
 
 
+class _NotAFile(InvalidArgument, AttributeError):
+    """Raised (as :class:`InvalidArgument`) for a checkpoint target that is none of a path,
+    a URL, a ``(store, key)`` pair or a file object: it lacks ``write`` (saving) or
+    ``read``/``seek`` (loading). Also an :class:`AttributeError`, which ``torch.save`` and
+    ``torch.load`` raise for such an object, so their callers' handlers keep working."""
+
+
 class InvalidKey(InvalidArgument):
     """Raised when a key is not a valid ``/``-separated relative path.
 

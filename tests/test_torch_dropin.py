@@ -324,3 +324,64 @@ def test_torchs_errors_for_a_torch_file_come_back_as_themselves(tmp_path: Path) 
         asyncstore.torch.load(path)
     assert not isinstance(ours.value, IntegrityError)
     assert str(ours.value) == str(caught.value)
+
+
+class Unseekable:
+    """Reads, but cannot seek (a pipe, a socket's file)."""
+
+    def read(self, size: int = -1) -> bytes:
+        return b""
+
+
+@pytest.mark.parametrize("target", [torch.ones(3), [1, 2], None])
+def test_a_target_that_is_no_file_is_an_attribute_error(target: Any) -> None:
+    # torch.save and torch.load raise AttributeError for an object without write/read/seek.
+    with pytest.raises(AttributeError) as caught:
+        asyncstore.torch.save({"w": torch.ones(1)}, target)
+    assert isinstance(caught.value, InvalidArgument)
+    with pytest.raises(AttributeError, match="readable, seekable"):
+        asyncstore.torch.load(target)
+
+
+def test_an_unseekable_file_is_an_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="Unseekable"):
+        asyncstore.torch.load(Unseekable())
+
+
+class ReadintoOnly(io.RawIOBase):
+    """A file object over bytes that notes whether read() or readinto() fetched them."""
+
+    def __init__(self, data: bytes) -> None:
+        self._data = io.BytesIO(data)
+        self.calls: list[str] = []
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        return self._data.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._data.tell()
+
+    def readinto(self, buffer: Any) -> int:
+        self.calls.append("readinto")
+        return self._data.readinto(buffer)
+
+    def read(self, size: int | None = -1) -> bytes:
+        self.calls.append("read")
+        return self._data.read(size)
+
+
+def test_a_file_object_is_read_with_readinto(state: dict[str, Any]) -> None:
+    # As torch.load does: straight into a buffer, a short readinto continued.
+    data = io.BytesIO()
+    asyncstore.torch.save(state, data)
+    source = ReadintoOnly(data.getvalue())
+    loaded = asyncstore.torch.load(source)
+    assert source.calls
+    assert set(source.calls) == {"readinto"}
+    assert torch.equal(loaded["w"], state["w"])

@@ -9,7 +9,7 @@ import threading
 from typing import IO, Any
 
 from .._concurrency import shield, to_thread
-from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound
+from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound, _NotAFile
 from ..stores import CleansUpWrites, LocalFiles, PinnedReads, Store, Writer, open_store
 from ..stores._keys import check_key
 from ..stores._open import is_local, local_path, open_local
@@ -204,7 +204,7 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
     if not writing and hasattr(target, "read") and hasattr(target, "seek"):
         return Resolved(None, None, target)  # type: ignore[arg-type]
     kind = "a writable" if writing else "a readable, seekable"
-    raise InvalidArgument(
+    raise _NotAFile(
         f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "
         f"('s3://bucket/run/step.ckpt'), a (store, key) pair or {kind} binary file object"
     )
@@ -406,10 +406,25 @@ class FileSource(Source):
         def read() -> bytes:
             with self._lock:
                 self._file.seek(self._start + start)
-                data = self._file.read(end - start)
+                readinto = getattr(self._file, "readinto", None)
+                data: bytes | bytearray
+                if readinto is None:
+                    data = self._file.read(end - start)
+                else:
+                    # Straight into one buffer, as torch.load reads: no copy per call.
+                    buffer = bytearray(end - start)
+                    view = memoryview(buffer)
+                    got = 0
+                    while got < len(buffer):
+                        more = readinto(view[got:])
+                        if not more:
+                            break
+                        got += more
+                    data = buffer[:got] if got < len(buffer) else buffer
             if len(data) != end - start:
                 raise NotFound(f"{self.url} ended before byte {end}")
-            return data
+            # A bytearray where read into: every caller uses it as bytes, without a copy.
+            return data  # type: ignore[return-value]
 
         return await to_thread(read)
 

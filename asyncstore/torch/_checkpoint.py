@@ -232,8 +232,6 @@ def load(
     """
     ours = {k: v for k, v in options.items() if k in LoadOptions.__optional_keys__}
     unpickler_args = {k: v for k, v in options.items() if k not in ours}
-    if "weights_only" in ours:  # only through **options when given by name twice
-        raise InvalidArgument("load() got weights_only twice")
     if mmap is None:
         mmap = bool(torch.utils.serialization.config.load.mmap)
     chosen = _weights_only(weights_only, pickle_module)
