@@ -385,3 +385,49 @@ def test_a_file_object_is_read_with_readinto(state: dict[str, Any]) -> None:
     assert source.calls
     assert set(source.calls) == {"readinto"}
     assert torch.equal(loaded["w"], state["w"])
+
+
+# --- torch's allow-list ------------------------------------------------------------------
+
+
+def test_torchs_safe_globals_allow_a_class(tmp_path: Path) -> None:
+    asyncstore.torch.save({"p": Point(4)}, tmp_path / "a.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match=r"GLOBAL .*Point was not an allowed"):
+        asyncstore.torch.load(tmp_path / "a.ckpt")
+    with torch.serialization.safe_globals([Point]):
+        assert asyncstore.torch.load(tmp_path / "a.ckpt")["p"].x == 4
+    with torch.serialization.safe_globals([(Point, f"{__name__}.Point")]):
+        assert asyncstore.torch.load(tmp_path / "a.ckpt")["p"].x == 4
+    torch.serialization.add_safe_globals([Point])
+    try:
+        assert asyncstore.torch.load(tmp_path / "a.ckpt")["p"].x == 4
+    finally:
+        torch.serialization.clear_safe_globals()
+    with pytest.raises(UnsafeCheckpoint):
+        asyncstore.torch.load(tmp_path / "a.ckpt")
+
+
+class Runs:
+    """Pickles as a call of os.system."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_blocked_modules_stay_blocked_when_allowed(tmp_path: Path) -> None:
+    import os
+
+    asyncstore.torch.save({"r": Runs()}, tmp_path / "a.ckpt")
+    with (
+        torch.serialization.safe_globals([os.system]),
+        pytest.raises(UnsafeCheckpoint, match="is blocked"),
+    ):
+        asyncstore.torch.load(tmp_path / "a.ckpt", safe_globals=[os.system])
+
+
+def test_a_bad_safe_globals_item_is_refused(tmp_path: Path) -> None:
+    asyncstore.torch.save({}, tmp_path / "a.ckpt")
+    with pytest.raises(InvalidArgument, match="safe_globals item"):
+        asyncstore.torch.load(tmp_path / "a.ckpt", safe_globals=[(Point, 3)])

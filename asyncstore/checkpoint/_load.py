@@ -276,6 +276,8 @@ async def load(
             f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
             "[collections.OrderedDict]"
         )
+    # torch's own allow-list (add_safe_globals, the safe_globals() context) counts too.
+    safe_globals = _allow_list([*safe_globals, *torch.serialization.get_safe_globals()])
     if into is not None:
         if not isinstance(into, dict):
             raise InvalidArgument(
@@ -298,6 +300,24 @@ async def load(
             obj = await load_torch_file(src, map_location, weights_only, safe_globals, options)
             return select(obj, wanted, into, src.url)
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals, options)
+
+
+def _allow_list(items: list[Any]) -> list[Any]:
+    """``safe_globals`` checked: classes and functions, or torch's ``(value, "module.name")``
+    pairs."""
+    for item in items:
+        if isinstance(item, tuple):
+            ok = len(item) == 2 and isinstance(item[1], str)
+        else:
+            ok = isinstance(getattr(item, "__module__", None), str) and isinstance(
+                getattr(item, "__qualname__", None), str
+            )
+        if not ok:
+            raise InvalidArgument(
+                f"safe_globals item {item!r}: pass classes or functions, or (value, "
+                "'module.name') pairs as torch.serialization.add_safe_globals takes them"
+            )
+    return items
 
 
 async def _load(

@@ -283,6 +283,11 @@ class BoundedUnpickler(_PyUnpickler):  # type: ignore[misc]
 _dispatch: dict[int, Callable[..., None]] = dict(_bounded)
 
 
+# Modules whose names weights_only=True never loads, even when a caller allows them (the
+# same as torch's): their functions run commands or replace the process.
+BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
+
+
 class RestrictedUnpickler(BoundedUnpickler):
     """Unpickles only tensors, containers and plain values (``weights_only=True``).
 
@@ -308,8 +313,14 @@ class RestrictedUnpickler(BoundedUnpickler):
         self._checks = _Checks(where, self._pickle_bytes)
         self._allowed = _allowed(self._checks)
         self._trusted: set[type] = set()
-        for value in safe_globals:
-            self._allowed[value.__module__, value.__qualname__] = value
+        self._by_path: dict[str, Any] = {}  # torch's (value, "module.name") entries
+        for item in safe_globals:
+            if isinstance(item, tuple):
+                value, path = item
+                self._by_path[path] = value
+            else:
+                value = item
+                self._allowed[value.__module__, value.__qualname__] = value
             if isinstance(value, type):
                 self._trusted.add(value)
         self._persistent = persistent_load
@@ -318,13 +329,21 @@ class RestrictedUnpickler(BoundedUnpickler):
         return self._persistent(pid)
 
     def find_class(self, module: str, name: str) -> Any:
-        value = self._allowed.get((module, name))
+        if module.partition(".")[0] in BLOCKED_MODULES:
+            # As torch: never, whatever the caller allowed.
+            raise UnsafeCheckpoint(
+                f"{self._where} holds {module}.{name}, whose module {module} is blocked: "
+                "weights_only=True never loads it, even when allowed"
+            )
+        value = self._allowed.get((module, name), self._by_path.get(f"{module}.{name}"))
         if value is None:
             raise UnsafeCheckpoint(
                 f"{self._where} holds {module}.{name}, which weights_only=True does not load "
-                "(only tensors, containers and plain values). If you trust where this "
-                "checkpoint came from, pass weights_only=False, or allow that one name with "
-                f"safe_globals=[{module}.{name}]"
+                f"(GLOBAL {module}.{name} was not an allowed global by default: only tensors, "
+                "containers and plain values are). If you trust where this checkpoint came "
+                "from, pass weights_only=False, or allow that one name with "
+                f"safe_globals=[{module}.{name}] or "
+                f"torch.serialization.add_safe_globals([{module}.{name}])"
             )
         return value
 
