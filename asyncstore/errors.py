@@ -49,6 +49,13 @@ class _NotAFile(InvalidArgument, AttributeError):
     ``torch.load`` raise for such an object, so their callers' handlers keep working."""
 
 
+class _CannotHere(InvalidArgument, RuntimeError):
+    """Raised (as :class:`InvalidArgument`) for arguments this machine or this combination
+    of options cannot honour: tensors for a device it lacks (CUDA without CUDA), or a
+    ``pickle_module`` with ``weights_only=True``. Also a :class:`RuntimeError`, which
+    ``torch.load`` raises for the same, so its callers' handlers keep working."""
+
+
 class InvalidKey(InvalidArgument):
     """Raised when a key is not a valid ``/``-separated relative path.
 

@@ -431,3 +431,14 @@ def test_a_bad_safe_globals_item_is_refused(tmp_path: Path) -> None:
     asyncstore.torch.save({}, tmp_path / "a.ckpt")
     with pytest.raises(InvalidArgument, match="safe_globals item"):
         asyncstore.torch.load(tmp_path / "a.ckpt", safe_globals=[(Point, 3)])
+
+
+def test_what_torch_refuses_with_runtime_error_is_one(tmp_path: Path) -> None:
+    module, _ = recording_module()
+    asyncstore.torch.save({"w": torch.ones(2)}, tmp_path / "a.ckpt")
+    with pytest.raises(RuntimeError) as caught:
+        asyncstore.torch.load(tmp_path / "a.ckpt", pickle_module=module, weights_only=True)
+    assert isinstance(caught.value, InvalidArgument)
+    # A device this build of torch lacks (the CPU wheel has no XPU backend).
+    with pytest.raises(RuntimeError, match="cannot be placed on 'xpu'"):
+        asyncstore.torch.load(tmp_path / "a.ckpt", map_location="xpu")

@@ -17,7 +17,7 @@ import torch
 
 from .._concurrency import shield, to_thread
 from .._config import LoadConfig, build
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
 from . import _format as fmt
 from ._into import check_read, fill, placeholders, plan_into, select
 from ._pickle import dtype_of
@@ -172,7 +172,7 @@ def _device_for(location: str, map_location: Any) -> torch.device:
         # come back without their data.
         raise IntegrityError(f"the checkpoint says tensor bytes were saved on {location!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidArgument(
+        raise _CannotHere(
             f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
             "here: pass map_location='cpu'"
         )
@@ -186,7 +186,7 @@ def _to(storage: torch.UntypedStorage, device: torch.device) -> torch.UntypedSto
     try:
         return flat.to(device).untyped_storage()
     except (RuntimeError, AssertionError) as exc:  # torch raises both for a missing backend
-        raise InvalidArgument(
+        raise _CannotHere(
             f"tensors cannot be placed on {str(device)!r} here ({exc}): pass a "
             "map_location this machine has, such as 'cpu'"
         ) from None
@@ -266,7 +266,7 @@ async def load(
     wanted = None if config.keys is None else list(config.keys)
     options = TorchOptions(pickle_module, mmap, pickle_load_args, mmap_flags)
     if weights_only and pickle_module is not None:
-        raise InvalidArgument(
+        raise _CannotHere(
             f"pickle_module={pickle_module!r} cannot be used with weights_only=True (its "
             "Unpickler would run instead of the checked one): pass weights_only=False for a "
             "checkpoint you trust"
