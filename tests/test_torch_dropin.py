@@ -5,6 +5,7 @@ catches."""
 
 from __future__ import annotations
 
+import collections
 import io
 import mmap
 import pickle
@@ -442,3 +443,64 @@ def test_what_torch_refuses_with_runtime_error_is_one(tmp_path: Path) -> None:
     # A device this build of torch lacks (the CPU wheel has no XPU backend).
     with pytest.raises(RuntimeError, match="cannot be placed on 'xpu'"):
         asyncstore.torch.load(tmp_path / "a.ckpt", map_location="xpu")
+
+
+# --- tensors with attributes and tensor subclasses (torch's _rebuild_from_type_v2) -------
+
+
+class Scaled(torch.Tensor):
+    """A tensor subclass, loadable with weights_only=True once allowed."""
+
+
+def test_a_tensors_attributes_load_with_weights_only(tmp_path: Path) -> None:
+    w = torch.ones(3)
+    w.scale = 2.5  # type: ignore[attr-defined]
+    asyncstore.torch.save({"w": w}, tmp_path / "a.ckpt")
+    loaded = asyncstore.torch.load(tmp_path / "a.ckpt")["w"]
+    assert torch.equal(loaded, w)
+    assert loaded.scale == 2.5
+
+
+@pytest.mark.parametrize("name", ["data", "grad", "_version", "__class__"])
+def test_attributes_the_tensor_class_has_are_refused(tmp_path: Path, name: str) -> None:
+    # A crafted state could swap a tensor's data or class: refused before it is set.
+    w = torch.ones(3)
+    state = {name: torch.zeros(3)}
+    payload: tuple[Any, ...] = (
+        torch._tensor._rebuild_from_type_v2,
+        (
+            torch._utils._rebuild_tensor_v2,
+            torch.Tensor,
+            (w.untyped_storage(), 0, (3,), (1,), False, collections.OrderedDict()),
+            state,
+        ),
+    )
+
+    class Crafted:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return payload
+
+    asyncstore.torch.save({"w": Crafted()}, tmp_path / "a.ckpt")
+    with pytest.raises(UnsafeCheckpoint, match="state sets"):
+        asyncstore.torch.load(tmp_path / "a.ckpt")
+
+
+def test_a_tensor_subclass_loads_once_allowed(tmp_path: Path) -> None:
+    t = torch.arange(4.0).as_subclass(Scaled)
+    asyncstore.torch.save({"t": t}, tmp_path / "a.ckpt")
+    with pytest.raises(UnsafeCheckpoint, match="Scaled"):
+        asyncstore.torch.load(tmp_path / "a.ckpt")
+    with torch.serialization.safe_globals([Scaled]):
+        loaded = asyncstore.torch.load(tmp_path / "a.ckpt")["t"]
+    assert type(loaded) is Scaled
+    assert torch.equal(loaded.as_subclass(torch.Tensor), torch.arange(4.0))
+
+
+def test_torch_tensor_is_never_called(tmp_path: Path) -> None:
+    class Allocates:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (torch.Tensor, (2**40,))
+
+    asyncstore.torch.save({"a": Allocates()}, tmp_path / "a.ckpt")
+    with pytest.raises(UnsafeCheckpoint, match=r"torch\.Tensor"):
+        asyncstore.torch.load(tmp_path / "a.ckpt")

@@ -283,6 +283,41 @@ class BoundedUnpickler(_PyUnpickler):  # type: ignore[misc]
 _dispatch: dict[int, Callable[..., None]] = dict(_bounded)
 
 
+_REBUILDS = (
+    ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch._utils", "_rebuild_parameter"),
+)
+
+
+class _TypeRef:
+    """``torch.Tensor`` as a pickle names it: only an argument of a checked rebuild, never
+    called (``torch.Tensor(2**40)`` would allocate that much)."""
+
+    def __call__(self, *args: Any) -> Any:
+        raise UnsafeCheckpoint("the pickle calls torch.Tensor, which weights_only=True refuses")
+
+
+_TENSOR_TYPE = _TypeRef()
+
+
+def _check_attributes(state: Any, cls: type, refuse: Callable[[str], Exception]) -> None:
+    """Refuse a plain tensor's pickled Python attributes unless they are a dict (or a
+    ``(dict, slots)`` pair, slots empty) of new names: none the class defines, none
+    starting with ``_``."""
+    if isinstance(state, tuple):
+        if len(state) != 2 or state[1]:
+            raise refuse("a tensor's pickled state sets slots")
+        state = state[0]
+    if state is None:
+        return
+    if type(state) is not dict:
+        raise refuse(f"a tensor's pickled state is a {type(state).__name__}")
+    for name in state:
+        if not isinstance(name, str) or name.startswith("_") or hasattr(cls, name):
+            raise refuse(f"a tensor's pickled state sets {_short.repr(name)}")
+
+
 # Modules whose names weights_only=True never loads, even when a caller allows them (the
 # same as torch's): their functions run commands or replace the process.
 BLOCKED_MODULES = frozenset({"sys", "os", "posix", "nt"})
@@ -324,9 +359,39 @@ class RestrictedUnpickler(BoundedUnpickler):
             if isinstance(value, type):
                 self._trusted.add(value)
         self._persistent = persistent_load
+        self._rebuilds = {self._allowed[key] for key in _REBUILDS}
+        # A tensor with Python attributes, or of a subclass the caller allowed.
+        self._allowed["torch._tensor", "_rebuild_from_type_v2"] = self._rebuild_from_type
+        self._allowed["torch._tensor", "Tensor"] = _TENSOR_TYPE
+        self._allowed["torch", "Tensor"] = _TENSOR_TYPE
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)
+
+    def _rebuild_from_type(self, func: Any, new_type: Any, args: Any, state: Any) -> Any:
+        # torch._tensor._rebuild_from_type_v2, checked: the tensor comes from one of the
+        # checked rebuilds; its type is Tensor, Parameter or a Tensor subclass the caller
+        # allowed; and attributes set on a plain Tensor or Parameter are new names holding
+        # plain values, never ones the class defines (data, grad, __class__ ...).
+        if func not in self._rebuilds:
+            raise self._refuse(f"a tensor is rebuilt by {_short.repr(func)}")
+        if new_type is _TENSOR_TYPE:
+            new_type = torch.Tensor
+        plain = new_type in (torch.Tensor, torch.nn.Parameter)
+        if not plain and not (
+            isinstance(new_type, type)
+            and issubclass(new_type, torch.Tensor)
+            and new_type in self._trusted
+        ):
+            raise self._refuse(
+                f"a tensor is rebuilt as {_short.repr(new_type)}, a type not allowed (allow "
+                "a tensor subclass with safe_globals)"
+            )
+        if type(args) is not tuple:
+            raise self._refuse(f"a tensor is rebuilt from a {type(args).__name__}")
+        if plain:
+            _check_attributes(state, new_type, self._refuse)
+        return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)  # type: ignore[no-untyped-call]
 
     def find_class(self, module: str, name: str) -> Any:
         if module.partition(".")[0] in BLOCKED_MODULES:
