@@ -210,6 +210,19 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
     )
 
 
+async def put_whole(target: object, store_options: dict[str, Any] | None, data: Any) -> str:
+    """Write ``data`` (bytes-like) at ``target`` (a path, a URL or a ``(store, key)`` pair)
+    in one put, atomic in every store; returns the URL written."""
+    resolved = resolve(target, store_options, writing=True)
+    try:
+        assert resolved.store is not None
+        assert resolved.key is not None
+        await resolved.store.put(resolved.key, data)
+        return resolved.url
+    finally:
+        await resolved.aclose()
+
+
 def _store_options(options: object) -> dict[str, Any]:
     if options is None:
         return {}

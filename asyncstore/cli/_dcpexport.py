@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.futures import Future
 
-from ..checkpoint._target import resolve
+from ..checkpoint._target import put_whole
 from ..errors import AsyncStoreError, IntegrityError
 from ..torch.dcp import StorageReader
 from ._common import progress
@@ -51,18 +51,7 @@ def export_dcp(src: str, dst: str, options: dict[str, Any], dst_options: dict[st
     buffer = io.BytesIO()
     torch.save(state, buffer)
     del state
-    return asyncio.run(_put(dst, dst_options, buffer))
-
-
-async def _put(dst: str, options: dict[str, Any], buffer: io.BytesIO) -> str:
-    target = resolve(dst, options, writing=True)
-    try:
-        assert target.store is not None
-        assert target.key is not None
-        await target.store.put(target.key, buffer.getbuffer())  # atomic in every store
-        return target.url
-    finally:
-        await target.aclose()
+    return asyncio.run(put_whole(dst, dst_options, buffer.getbuffer()))
 
 
 def _load_whole(src: str, options: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
 from ..checkpoint._load import LoadOptions
 from ..checkpoint._save import SaveOptions
-from ..checkpoint._target import resolve as _resolve
+from ..checkpoint._target import put_whole as _put_whole
 from ..errors import (
     InvalidArgument,
     NotFound,
@@ -288,14 +288,7 @@ async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> s
     buffer = io.BytesIO()
     await to_thread(torch.save, state, buffer)
     del state
-    target = _resolve(dst, store_options, writing=True)
-    try:
-        assert target.store is not None
-        assert target.key is not None
-        await target.store.put(target.key, buffer.getbuffer())  # atomic in every store
-        return target.url
-    finally:
-        await target.aclose()
+    return await _put_whole(dst, store_options, buffer.getbuffer())
 
 
 class Checkpointer(DistributedMethods):
