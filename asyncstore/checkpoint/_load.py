@@ -24,7 +24,7 @@ from ._pickle import dtype_of
 from ._reader import ChunkReader, manifest_of
 from ._target import Source, open_source, resolve
 from ._torchfile import TorchOptions, load_torch_file
-from ._unpickle import PlainUnpickler, RestrictedUnpickler, custom_unpickler
+from ._unpickle import PlainUnpickler, RestrictedUnpickler, allow_list, custom_unpickler
 
 __all__ = ["load", "read_manifest", "verify", "LoadOptions"]
 
@@ -271,13 +271,7 @@ async def load(
             "Unpickler would run instead of the checked one): pass weights_only=False for a "
             "checkpoint you trust"
         )
-    if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
-        raise InvalidArgument(
-            f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
-            "[collections.OrderedDict]"
-        )
-    # torch's own allow-list (add_safe_globals, the safe_globals() context) counts too.
-    safe_globals = _allow_list([*safe_globals, *torch.serialization.get_safe_globals()])
+    safe_globals = allow_list(safe_globals)
     if into is not None:
         if not isinstance(into, dict):
             raise InvalidArgument(
@@ -300,24 +294,6 @@ async def load(
             obj = await load_torch_file(src, map_location, weights_only, safe_globals, options)
             return select(obj, wanted, into, src.url)
         return await _load(reader, map_location, weights_only, wanted, into, safe_globals, options)
-
-
-def _allow_list(items: list[Any]) -> list[Any]:
-    """``safe_globals`` checked: classes and functions, or torch's ``(value, "module.name")``
-    pairs."""
-    for item in items:
-        if isinstance(item, tuple):
-            ok = len(item) == 2 and isinstance(item[1], str)
-        else:
-            ok = isinstance(getattr(item, "__module__", None), str) and isinstance(
-                getattr(item, "__qualname__", None), str
-            )
-        if not ok:
-            raise InvalidArgument(
-                f"safe_globals item {item!r}: pass classes or functions, or (value, "
-                "'module.name') pairs as torch.serialization.add_safe_globals takes them"
-            )
-    return items
 
 
 async def _load(

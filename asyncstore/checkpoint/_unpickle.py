@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
 
 __all__ = [
     "MAX_DIMS",
@@ -39,6 +39,7 @@ __all__ = [
     "BoundedUnpickler",
     "PlainUnpickler",
     "RestrictedUnpickler",
+    "allow_list",
     "check_view",
 ]
 
@@ -561,6 +562,35 @@ class PlainUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)
+
+
+def allow_list(safe_globals: Any) -> list[Any]:
+    """``safe_globals`` checked, with torch's own allow-list (``add_safe_globals``, the
+    ``safe_globals()`` context) added: classes and functions, or torch's
+    ``(value, "module.name")`` pairs.
+
+    Raises:
+        InvalidArgument: naming an item that is neither.
+    """
+    if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
+        raise InvalidArgument(
+            f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
+            "[collections.OrderedDict]"
+        )
+    items = [*safe_globals, *torch.serialization.get_safe_globals()]
+    for item in items:
+        if isinstance(item, tuple):
+            ok = len(item) == 2 and isinstance(item[1], str)
+        else:
+            ok = isinstance(getattr(item, "__module__", None), str) and isinstance(
+                getattr(item, "__qualname__", None), str
+            )
+        if not ok:
+            raise InvalidArgument(
+                f"safe_globals item {item!r}: pass classes or functions, or (value, "
+                "'module.name') pairs as torch.serialization.add_safe_globals takes them"
+            )
+    return items
 
 
 def custom_unpickler(

@@ -83,7 +83,7 @@ async def _export_object(
     src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any]
 ) -> str:
     from ..checkpoint._target import resolve
-    from ..torch._checkpoint import _export
+    from ..torch._torchsave import _export
 
     target = resolve(dst, dst_options, writing=True)
     try:

@@ -1,8 +1,10 @@
 """PyTorch adapters: ``StreamingDataset``, a drop-in ``IterableDataset`` over any store, and
 ``save`` / ``save_async`` / ``load``, drop-in replacements for ``torch.save`` / ``torch.load``."""
 
-from ._checkpoint import Checkpointer, export, load, save, save_async
+from ._checkpoint import Checkpointer
 from ._dataset import DatasetStats, EpochTotals, StreamingDataset
+from ._torchload import load
+from ._torchsave import export, save, save_async
 
 __all__ = [
     "StreamingDataset",

@@ -1,0 +1,91 @@
+"""``load``: the ``torch.load`` replacement over the checkpoint engine, for sync code."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.utils.serialization
+
+from .._loop import run_sync
+from ..checkpoint import load as _load
+from ..checkpoint._load import LoadOptions
+from ..errors import InvalidArgument
+
+__all__ = ["load"]
+
+_TRUE = ("1", "y", "yes", "true")
+
+
+def _weights_only(weights_only: Any, pickle_module: Any) -> bool:
+    """``weights_only`` as ``torch.load`` settles it: ``None`` is ``True`` (``False`` with a
+    ``pickle_module``); ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces ``True``, and
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` ``False`` where the caller did not choose."""
+    if weights_only is not None and not isinstance(weights_only, bool):
+        raise InvalidArgument(f"weights_only={weights_only!r}: pass True, False or None")
+    force = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    force_not = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE
+    if force and force_not:
+        raise InvalidArgument(
+            "TORCH_FORCE_WEIGHTS_ONLY_LOAD and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD are both set: "
+            "unset one of them"
+        )
+    if force:
+        return True
+    if weights_only is None:
+        if force_not:
+            warnings.warn(
+                "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set and weights_only was not passed: "
+                "loading with weights_only=False",
+                UserWarning,
+                stacklevel=3,
+            )
+            return False
+        return pickle_module is None
+    return weights_only
+
+
+def load(
+    f: Any,
+    map_location: Any = None,
+    pickle_module: Any = None,
+    *,
+    weights_only: bool | None = None,
+    mmap: bool | None = None,
+    **options: Any,
+) -> Any:
+    """Load a checkpoint like ``torch.load``, verifying every chunk.
+
+    Reads checkpoints written by :func:`save` and plain ``torch.save`` files alike, so code
+    can switch without converting anything. Options (``weights_only``, ``keys``, ``into``,
+    ``safe_globals``, ``store_options``) as for :func:`asyncstore.load`.
+
+    Every keyword of ``torch.load`` is accepted. ``weights_only=None`` (the default) means
+    what it means to ``torch.load``: ``True``, or ``False`` with a ``pickle_module``, and
+    the ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` / ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    variables apply. ``pickle_module`` unpickles the structure (``weights_only=False``
+    only). ``mmap=True`` builds tensors stored raw over a memory map of a local file
+    instead of reading them into memory (``None`` is torch's configured default). The
+    unpickler's keywords (``encoding``, ``errors``, ``fix_imports``) are passed to it. A
+    plain ``torch.save`` file gets all of them through ``torch.load`` itself.
+    """
+    ours = {k: v for k, v in options.items() if k in LoadOptions.__optional_keys__}
+    unpickler_args = {k: v for k, v in options.items() if k not in ours}
+    if mmap is None:
+        mmap = bool(torch.utils.serialization.config.load.mmap)
+    chosen = _weights_only(weights_only, pickle_module)
+    return run_sync(
+        _load(
+            f,
+            map_location=map_location,
+            weights_only=chosen,
+            pickle_module=pickle_module,
+            mmap=mmap,
+            pickle_load_args=unpickler_args,
+            # torch keeps this per thread; the load runs on asyncstore's.
+            mmap_flags=torch.serialization.get_default_mmap_options(),
+            **ours,
+        )
+    )
