@@ -7,11 +7,12 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal, TypedDict
 
 from .._concurrency import forget_errors, shield
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
+from ..errors import InvalidArgument
 from ..stores import Store
 from ._codec import Codecs, Known
 from ._handle import SaveHandle
@@ -20,6 +21,8 @@ from ._pickle import PROTOCOL, check_protocol, pickle_structure
 from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
 from ._target import Resolved, Sink, open_sink, resolve
+from ._torchformat import DEFAULT_PROTOCOL as TORCH_PROTOCOL
+from ._torchformat import caller_skip_data, save_torch_format
 
 __all__ = ["save", "save_packed", "SaveOptions"]
 
@@ -37,6 +40,7 @@ class SaveOptions(TypedDict, total=False):
     metadata: dict[str, Any] | None
     store_options: dict[str, Any] | None
     priority: Literal["low", "normal"]
+    format: Literal["asyncstore", "torch"]
 
 
 # One save per target at a time, per event loop (a lock is bound to its loop).
@@ -84,6 +88,7 @@ async def save(
     priority: Literal["low", "normal"] = "low",
     pickle_module: Any = None,
     pickle_protocol: int | None = None,
+    format: Literal["asyncstore", "torch"] = "asyncstore",
 ) -> SaveHandle:
     """Save ``obj`` (a state dict, or any picklable object holding tensors) as a checkpoint.
 
@@ -117,7 +122,16 @@ async def save(
             objects ``pickle`` cannot save), as for ``torch.save``; default ``pickle``. Load
             such a checkpoint with the same ``pickle_module`` and ``weights_only=False``.
         pickle_protocol: the pickle protocol of the structure, 2 to
-            ``pickle.HIGHEST_PROTOCOL``; default 4.
+            ``pickle.HIGHEST_PROTOCOL``; default 4 (with ``format="torch"``, torch's: 2).
+        format: ``"asyncstore"`` (the default): asyncstore's format, with verified loads,
+            compression, ranged reads and differential saves; ``asyncstore.load`` reads it,
+            ``torch.load`` does not (``asyncstore export`` converts). ``"torch"``: the file
+            ``torch.save`` writes, byte for byte, for code that reads it with
+            ``torch.load``; written through the same stores, atomically, and with the same
+            snapshot (see docs/checkpoints.md, "torch's format"). ``compression``,
+            ``level``, ``chunk_bytes``, ``exclude`` and ``metadata`` mean nothing there
+            and are refused unless left as they are (``compression=None`` is accepted);
+            ``staging_bytes`` bounds the host memory the snapshot copies into.
 
     Only one save per target runs at a time in an event loop; a second waits for the first
     to commit before its snapshot.
@@ -127,10 +141,55 @@ async def save(
         UnsafeCheckpoint: ``obj`` cannot be pickled.
     """
     started = time.perf_counter()
+    if format not in ("asyncstore", "torch"):
+        raise InvalidArgument(
+            f"format={format!r}: pass 'asyncstore' (the default: verified loads, compression, "
+            "ranged and differential saves) or 'torch' (the file torch.save writes, for "
+            "torch.load)"
+        )
     config = _config(compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority)
+    if format == "torch":
+        _refuse_for_torch(config, compression)
+        protocol = TORCH_PROTOCOL if pickle_protocol is None else check_protocol(pickle_protocol)
+        skip = caller_skip_data()  # torch keeps it per thread: read on the caller's
+        resolved = resolve(target, store_options, writing=True)
+        release_target = await _lock(resolved)
+        return await save_torch_format(
+            obj,
+            resolved,
+            release_target,
+            started,
+            pickle_module=pickle_module,
+            pickle_protocol=protocol,
+            staging_bytes=config.staging_bytes,
+            background=config.priority == "low",
+            skip=skip,
+        )
     pickling = (pickle_module, check_protocol(pickle_protocol))
     resolved = resolve(target, store_options, writing=True)
     return await _start(obj, resolved, config, started, None, pickling)
+
+
+# The options of asyncstore's format that torch's has no place for (besides compression).
+_NOT_FOR_TORCH = ("level", "chunk_bytes", "exclude", "metadata")
+
+
+def _refuse_for_torch(config: SaveConfig, compression: object) -> None:
+    # Never a silent no-op: an option that cannot apply to torch's format is refused.
+    default = SaveConfig()
+    given = [
+        f"{name}={getattr(config, name)!r}"
+        for name in _NOT_FOR_TORCH
+        if getattr(config, name) != getattr(default, name)
+    ]
+    if compression == "zstd":
+        given.insert(0, "compression='zstd'")
+    if given:
+        raise InvalidArgument(
+            f"format='torch' with {', '.join(given)}: torch's format stores every tensor "
+            "raw and has no chunks, exclusions or metadata; leave these out, or save in "
+            "asyncstore's format (format='asyncstore', the default)"
+        )
 
 
 async def save_packed(
@@ -166,10 +225,7 @@ async def _start(
     packed: tuple[str, Known, dict[str, PackId]] | None,
     pickling: tuple[Any, int] = (None, PROTOCOL),
 ) -> SaveHandle:
-    locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
-    lock = locks.setdefault(resolved.url, asyncio.Lock())
-    await lock.acquire()
-    release_target = functools.partial(_release, resolved, lock)
+    release_target = await _lock(resolved)
     sink: Sink | None = None
     pack: PackTarget | None = None
     try:
@@ -216,6 +272,19 @@ async def _start(
         forget_errors([writer])
         raise
     return SaveHandle(writer, resolved.url)
+
+
+async def _lock(resolved: Resolved) -> Callable[[], Awaitable[None]]:
+    """Wait until no other save of this event loop writes ``resolved``, then hold it; the
+    function returned lets go of it and closes its store."""
+    locks = _LOCKS.setdefault(asyncio.get_running_loop(), {})
+    lock = locks.setdefault(resolved.url, asyncio.Lock())
+    try:
+        await lock.acquire()
+    except BaseException:
+        await shield(resolved.aclose())
+        raise
+    return functools.partial(_release, resolved, lock)
 
 
 async def _release(resolved: Resolved, lock: asyncio.Lock) -> None:
