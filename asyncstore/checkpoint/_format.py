@@ -99,7 +99,7 @@ class Storage(msgspec.Struct, frozen=True, omit_defaults=True, gc=False):
     id: int  # the persistent id the structure refers to it by
     nbytes: int
     dtype: str  # element type of its first reference ("float32"), for the byte shuffle
-    location: str  # device it was saved from ("cpu", "cuda:0")
+    location: str  # device it was saved from ("cpu", "cuda:0"; "meta": no chunks)
     name: str  # the entry that first referenced it, for messages
     # Tuples, not lists: a load holds one Storage per tensor until it ends, and tuples of
     # untracked items leave the cyclic collector's lists (so do Storage and Chunk, gc=False:
@@ -255,7 +255,14 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
         ids.add(storage.id)
         for index, chunk in enumerate(storage.chunks):
             chunk_ok(chunk, what, storage.pack_of(index))
-        if sum(chunk.raw for chunk in storage.chunks) != storage.nbytes:
+        if storage.location == "meta":
+            # A meta storage has a size and no bytes: it is recorded without chunks.
+            if storage.chunks:
+                raise IntegrityError(
+                    f"{where}: the manifest gives chunks to {what}, saved on 'meta' (a device "
+                    "without data): the checkpoint is damaged or crafted"
+                )
+        elif sum(chunk.raw for chunk in storage.chunks) != storage.nbytes:
             raise IntegrityError(f"{where}: the chunks of {what} do not add up to its size")
     for key, used in (manifest.entries or {}).items():
         if not set(used) <= ids:

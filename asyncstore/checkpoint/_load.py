@@ -19,9 +19,10 @@ from .._concurrency import shield, to_thread
 from .._config import LoadConfig, build
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
 from . import _format as fmt
+from ._contexts import current, entered
 from ._into import check_read, fill, placeholders, plan_into, select
 from ._pickle import dtype_of
-from ._reader import ChunkReader, manifest_of
+from ._reader import ChunkReader, check_memory, fixed_storage, manifest_of
 from ._target import Source, open_source, resolve
 from ._torchfile import TorchOptions, load_torch_file
 from ._unpickle import PlainUnpickler, RestrictedUnpickler, allow_list, custom_unpickler
@@ -89,6 +90,8 @@ async def verify(source: Any, *, store_options: dict[str, Any] | None = None) ->
         batch: list[fmt.Storage] = []
         size = 0
         for entry in manifest.storages:
+            if entry.location == "meta":
+                continue  # a size and no bytes: nothing to check
             if batch and size + entry.nbytes > _VERIFY_BATCH:
                 await reader.storages(batch)  # read, checked, and dropped
                 batch, size = [], 0
@@ -167,10 +170,6 @@ def _device_for(location: str, map_location: Any) -> torch.device:
         raise IntegrityError(
             f"the checkpoint names a device {target!r} that does not exist"
         ) from None
-    if device.type == "meta" and target == location:
-        # Saving refuses meta tensors, so a saved location never is one: the tensors would
-        # come back without their data.
-        raise IntegrityError(f"the checkpoint says tensor bytes were saved on {location!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise _CannotHere(
             f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
@@ -235,18 +234,30 @@ async def load(
         pickle_load_args: the unpickler's keywords (``encoding``, ``errors``,
             ``fix_imports``), as ``torch.load`` takes them.
         mmap_flags: ``mmap.MAP_PRIVATE`` (changes to the tensors stay in memory) or
-            ``mmap.MAP_SHARED`` (they reach the file, which then fails its checksums); by
+            ``mmap.MAP_SHARED`` (they reach the file: the file is the tensors' writable
+            home, so the storages mapped so are not verified; a later load without
+            ``MAP_SHARED`` of a file changed through such a map fails its checksums); by
             default what ``torch.serialization.set_default_mmap_options`` set for the
             calling thread.
+
+    torch's contexts of the calling thread are honoured, as ``torch.load`` honours them:
+    under ``torch.serialization.skip_data()`` storages are allocated (zeros) and no tensor
+    byte is read or verified; under ``FakeTensorMode`` tensors are fake (a meta storage
+    each, on the saved device after ``map_location``) and no tensor byte is read or
+    allocated. Neither combines with ``into=``. A tensor saved on the meta device loads on
+    it.
 
     Raises:
         IntegrityError: a byte of the checkpoint changed; the message names the tensor,
             the chunk and the URL.
         UnsafeCheckpoint: ``weights_only=True`` met a global outside the allow-list.
         NotFound: there is no checkpoint at ``source``.
-        InvalidArgument: a bad argument, or ``keys``/``into`` naming entries the checkpoint
-            does not have.
+        InvalidArgument: a bad argument, ``keys``/``into`` naming entries the checkpoint
+            does not have, or ``into`` under ``skip_data()`` or ``FakeTensorMode``.
     """
+    # torch's contexts of the caller (skip_data(), FakeTensorMode), read before any hop to
+    # another thread.
+    contexts = current()
     if isinstance(keys, str):
         raise InvalidArgument(
             f"keys={keys!r}: pass a list of entry names such as ['model'], not one str"
@@ -264,7 +275,12 @@ async def load(
     if keys is not None and into is not None:
         raise InvalidArgument("pass keys= or into=, not both (into= loads the keys it has)")
     wanted = None if config.keys is None else list(config.keys)
-    options = TorchOptions(pickle_module, mmap, pickle_load_args, mmap_flags)
+    options = TorchOptions(pickle_module, mmap, pickle_load_args, mmap_flags, contexts)
+    if into is not None and not contexts.reads_data:
+        raise InvalidArgument(
+            f"into= fills tensors with the checkpoint's bytes, which are not read under "
+            f"{contexts.describe()}: load without into=, or outside that context"
+        )
     if weights_only and pickle_module is not None:
         raise _CannotHere(
             f"pickle_module={pickle_module!r} cannot be used with weights_only=True (its "
@@ -343,6 +359,15 @@ async def _load(
 
     persistent_load = storage_loader(src.url, by_id, storages, meta)
 
+    def in_contexts(load: Callable[[], Any]) -> Callable[[], Any]:
+        # torch's rebuild functions read the caller's contexts (FakeTensorMode makes fake
+        # tensors) and map_location (wrapper subclasses) on the thread that unpickles.
+        def run() -> Any:
+            with entered(options.contexts, map_location):
+                return load()
+
+        return run
+
     async def unpickle() -> Any:
         meta.clear()
         stream = io.BytesIO(structure)
@@ -354,13 +379,13 @@ async def _load(
         elif options.pickle_module is not None:
             # The caller's module (dill, say): its errors are its own, raised as they are.
             unpickler = custom_unpickler(options.pickle_module, stream, persistent_load, args)
-            return await to_thread(unpickler.load)
+            return await to_thread(in_contexts(unpickler.load))
         else:
             unpickler = PlainUnpickler(stream, persistent_load, **args)
         try:
             # In a thread: the checked unpickler is pure Python, and a structure of 100,000
             # tensors would hold the event loop for seconds (torch.save files load there too).
-            return await to_thread(unpickler.load)
+            return await to_thread(in_contexts(unpickler.load))
         except (IntegrityError, InvalidArgument, UnsafeCheckpoint):
             raise
         except Exception as exc:
@@ -425,12 +450,58 @@ async def _read(
     map_location: Any,
     options: TorchOptions,
 ) -> dict[int, torch.UntypedStorage]:
-    entries = [by_id[i] for i in sorted(sids)]
-    if options.mmap:
-        read = await reader.mapped_storages(entries, shared=options.mmap_shared)
-    else:
-        read = await reader.storages(entries)
-    return {
-        sid: _to(storage, _device_for(by_id[sid].location, map_location))
-        for sid, storage in read.items()
-    }
+    out: dict[int, torch.UntypedStorage] = {}
+    devices: dict[int, torch.device] = {}
+    zeros: list[tuple[fmt.Storage, torch.device]] = []
+    wanted: list[fmt.Storage] = []
+    contexts = options.contexts
+    for sid in sorted(sids):
+        entry = by_id[sid]
+        if contexts.fake_mode is not None:
+            out[sid] = _fake_storage(entry)
+            continue
+        if entry.location == "meta":
+            out[sid] = _meta_storage(entry.nbytes)  # a size and no bytes, as saved
+            continue
+        device = devices[sid] = _device_for(entry.location, map_location)
+        if device.type == "meta":
+            out[sid] = _meta_storage(entry.nbytes)  # map_location="meta": nothing to read
+        elif contexts.skip_data:
+            zeros.append((entry, device))
+        else:
+            wanted.append(entry)
+    if zeros:
+        # skip_data(): storages of the saved sizes, allocated but not read (zeros, where
+        # torch leaves whatever the allocator had).
+        check_memory(sum(entry.nbytes for entry, _ in zeros), reader.source.url)
+        for entry, device in zeros:
+            storage, memory = fixed_storage(entry.nbytes)
+            if entry.nbytes:
+                torch.frombuffer(memory, dtype=torch.uint8).zero_()
+            out[entry.id] = _to(storage, device)
+    if wanted:
+        if options.mmap:
+            read = await reader.mapped_storages(wanted, shared=options.mmap_shared)
+        else:
+            read = await reader.storages(wanted)
+        out.update((sid, _to(storage, devices[sid])) for sid, storage in read.items())
+    return out
+
+
+def _meta_storage(nbytes: int) -> torch.UntypedStorage:
+    return torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
+
+
+def _fake_storage(entry: fmt.Storage) -> torch.UntypedStorage:
+    # As torch.load builds them under FakeTensorMode: a meta storage (no memory) that
+    # says where it would live; torch's rebuild functions make fake tensors on it there
+    # (map_location applied).
+    try:
+        torch.device(entry.location)
+    except RuntimeError:
+        raise IntegrityError(
+            f"the checkpoint names a device {entry.location!r} that does not exist"
+        ) from None
+    storage = _meta_storage(entry.nbytes)
+    storage._fake_device = entry.location  # type: ignore[assignment]
+    return storage

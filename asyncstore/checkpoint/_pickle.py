@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
+from ._contexts import current, entered
 
 __all__ = [
     "StoragePickler",
@@ -32,22 +33,39 @@ PROTOCOL = 4
 
 
 class SavedStorage:
-    """A storage met while pickling: its bytes are saved as chunks."""
+    """A storage met while pickling: its bytes are saved as chunks.
 
-    __slots__ = ("dtype", "id", "location", "name", "storage")
+    ``zeros``: saved under ``torch.serialization.skip_data()``, so its chunks hold zeros
+    and its own bytes are never read. A storage on the meta device (``location`` is
+    ``"meta"``) has no bytes at all: it is recorded without chunks and loads back on meta.
+    """
+
+    __slots__ = ("dtype", "id", "location", "name", "storage", "zeros")
 
     def __init__(
-        self, id: int, storage: torch.UntypedStorage, dtype: torch.dtype, name: str
+        self,
+        id: int,
+        storage: torch.UntypedStorage,
+        dtype: torch.dtype,
+        name: str,
+        location: str | None = None,
+        zeros: bool = False,
     ) -> None:
         self.id = id
         self.storage = storage
         self.dtype = dtype
-        self.location = str(storage.device)
+        self.location = str(storage.device) if location is None else location
         self.name = name
+        self.zeros = zeros and self.location != "meta"
 
     @property
     def nbytes(self) -> int:
         return int(self.storage.nbytes())
+
+    @property
+    def meta(self) -> bool:
+        """Whether it is a meta storage: a size and no bytes (no chunks, no staging)."""
+        return self.location == "meta"
 
 
 _NOT_STORAGES = frozenset(
@@ -85,67 +103,67 @@ class _StorageIds:
     dtype)``: mixed into ``pickle.Pickler`` (:class:`StoragePickler`) or the ``Pickler`` of
     the caller's ``pickle_module`` (``dill``, say)."""
 
-    def _track(self, storages: dict[int, SavedStorage]) -> None:
+    def _track(self, storages: dict[int, SavedStorage], skip_data: bool = False) -> None:
         self.storages = storages  # by the storage's C pointer, shared across picklers
         self.entry = ""  # the top-level entry being pickled, for names in messages
         self.seen: set[int] = set()  # storage ids this pickler referenced
         self.names: dict[int, str] = {}  # storage C pointer -> dotted path of a tensor on it
+        self.skip_data = skip_data  # under torch.serialization.skip_data(): bytes are zeros
 
     def persistent_id(self, obj: Any) -> tuple[str, int, str] | None:
         # Called for every object pickled (thousands per state dict): leave the common
         # ones at once.
         if type(obj) in _NOT_STORAGES:
-            if type(obj) in _TENSORS and obj.is_meta:
-                self._refuse_meta(obj)
             return None
-        if isinstance(obj, torch.Tensor) and obj.is_meta:
-            self._refuse_meta(obj)
         if isinstance(obj, torch.storage.TypedStorage):
             untyped, dtype = obj._untyped_storage, obj.dtype
         elif isinstance(obj, torch.UntypedStorage):
             untyped, dtype = obj, torch.uint8
         else:
             return None
-        if untyped.device.type == "meta":
-            self._refuse_meta(None)
         key = untyped._cdata
         saved = self.storages.get(key)
         if saved is None:
             name = self.names.get(key) or self.entry or "<object>"
-            saved = SavedStorage(len(self.storages), untyped, dtype, name)
+            # A FakeTensor saved under skip_data(materialize_fake_tensors=True) has a meta
+            # storage that stands for one on its fake device: saved there, as zeros.
+            fake = getattr(obj, "_fake_device", None)
+            location = None if fake is None else str(fake)
+            zeros = self.skip_data or (fake is not None and untyped.device.type == "meta")
+            saved = SavedStorage(len(self.storages), untyped, dtype, name, location, zeros)
             self.storages[key] = saved
         self.seen.add(saved.id)
         return ("storage", saved.id, dtype_name(dtype))
-
-    def _refuse_meta(self, tensor: torch.Tensor | None) -> None:
-        # A meta tensor pickles without a storage (torch rebuilds it from its shape alone), so
-        # it would save without error and then fail every weights_only load.
-        name = self.names.get(tensor.untyped_storage()._cdata) if tensor is not None else None
-        if name in (None, "<object>"):
-            name = self.entry or None
-        raise UnsafeCheckpoint(_meta_message("the object" if name is None else repr(name)))
 
 
 class StoragePickler(_StorageIds, pickle.Pickler):
     """Pickles an object, replacing every tensor storage with ``("storage", id, dtype)``."""
 
     def __init__(
-        self, file: io.BytesIO, storages: dict[int, SavedStorage], protocol: int = PROTOCOL
+        self,
+        file: io.BytesIO,
+        storages: dict[int, SavedStorage],
+        protocol: int = PROTOCOL,
+        skip_data: bool = False,
     ) -> None:
         super().__init__(file, protocol=protocol)
-        self._track(storages)
+        self._track(storages, skip_data)
 
 
 _PICKLERS: dict[type, type] = {}  # a pickle module's Pickler -> that Pickler with _StorageIds
 
 
 def _pickler(
-    module: Any, file: io.BytesIO, storages: dict[int, SavedStorage], protocol: int
+    module: Any,
+    file: io.BytesIO,
+    storages: dict[int, SavedStorage],
+    protocol: int,
+    skip_data: bool = False,
 ) -> Any:
     """A pickler writing to ``file``: :class:`StoragePickler`, or one built on the
     ``Pickler`` of ``module`` (the caller's ``pickle_module``)."""
     if module is None or module is pickle:
-        return StoragePickler(file, storages, protocol)
+        return StoragePickler(file, storages, protocol, skip_data)
     base = getattr(module, "Pickler", None)
     if not isinstance(base, type):
         raise InvalidArgument(
@@ -155,7 +173,7 @@ def _pickler(
     if cls is None:
         cls = _PICKLERS[base] = type("StoragePickler", (_StorageIds, base), {})
     pickler = cls(file, protocol=protocol)
-    pickler._track(storages)
+    pickler._track(storages, skip_data)
     return pickler
 
 
@@ -175,65 +193,98 @@ def check_protocol(protocol: object) -> int:
     return protocol
 
 
-def _meta_message(name: str) -> str:
-    return (
-        f"{name} is a tensor on the meta device, which has no data to save; materialise it "
-        "first (for example with module.to_empty(device='cpu') and then loading or "
-        "initialising its weights)"
-    )
-
-
 def pickle_structure(
     obj: Any, pickle_module: Any = None, protocol: int = PROTOCOL
 ) -> tuple[bytes, list[SavedStorage], dict[str, list[int]] | None]:
     """Pickle ``obj`` (with ``pickle_module``'s Pickler, when given, and ``protocol``);
     returns the bytes, the storages in order, and for a dict with str keys, each key's
-    storage ids (so that a partial load reads only those)."""
+    storage ids (so that a partial load reads only those).
+
+    Under ``torch.serialization.skip_data()`` (the caller's, see ``_contexts``) every
+    storage is recorded as usual but marked to be saved as zeros, and torch's own tensor
+    pickling runs as it does under it (a tensor on the meta device warns, a nested tensor
+    is refused).
+
+    Raises:
+        UnsafeCheckpoint: ``obj`` cannot be pickled.
+        InvalidArgument: a tensor that cannot be saved under ``skip_data()`` (a nested
+            or quantized tensor: also a ``RuntimeError``, as torch raises).
+    """
+    contexts = current()
+    skip = contexts.skip_data
     storages: dict[int, SavedStorage] = {}
     entries: dict[str, list[int]] | None = None
     buffer = io.BytesIO()
     names = _tensor_paths(obj)
     try:
-        pickler = _pickler(pickle_module, buffer, storages, protocol)
-        pickler.names = names
-        pickler.dump(obj)
-        if type(obj) in (dict, collections.OrderedDict) and all(isinstance(k, str) for k in obj):
-            # Which storages each entry uses, so that a partial load reads only those: a
-            # tensor's is known; anything else gets a pass of its own, which pickles only
-            # tensor metadata (every storage is known by now, so ids do not change).
-            entries = {}
-            by_id = {saved.id: saved for saved in storages.values()}
-            for key, value in obj.items():
-                saved = _plain_tensor_storage(value, storages)
-                if saved is not None:
-                    entries[key] = [saved.id]
-                    continue
-                probe = _pickler(pickle_module, io.BytesIO(), storages, protocol)
-                probe.entry, probe.names = key, names
-                probe.dump(value)
-                entries[key] = sorted(probe.seen)
-                if len(by_id) != len(storages):  # a __reduce__ made new tensors this time
-                    by_id = {saved.id: saved for saved in storages.values()}
-                for sid in probe.seen:
-                    if by_id[sid].name == "<object>":
-                        by_id[sid].name = key  # a tensor inside an object: named by its entry
+        # Pickling runs on this thread with no await inside: torch's per-thread state is
+        # the caller's only for that long.
+        with entered(contexts):
+            pickler = _pickler(pickle_module, buffer, storages, protocol, skip)
+            pickler.names = names
+            pickler.dump(obj)
+            if type(obj) in (dict, collections.OrderedDict) and all(
+                isinstance(k, str) for k in obj
+            ):
+                entries = _entry_storages(obj, storages, names, pickle_module, protocol, skip)
     except InvalidArgument:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
+    except RuntimeError as exc:
+        if not skip:
+            raise
+        # torch refuses, under skip_data(), tensors whose bytes it cannot leave out.
+        raise _CannotHere(
+            f"the object cannot be saved under torch.serialization.skip_data(): {exc}"
+        ) from exc
     return buffer.getvalue(), list(storages.values()), entries
 
 
-def _plain_tensor_storage(value: Any, storages: dict[int, SavedStorage]) -> SavedStorage | None:
-    # The one storage a plain dense tensor was pickled with; None for anything whose pickle
-    # may hold more (Python attributes, nested or quantized tensors): those are probed.
+def _entry_storages(
+    obj: dict[str, Any],
+    storages: dict[int, SavedStorage],
+    names: dict[int, str],
+    pickle_module: Any,
+    protocol: int,
+    skip: bool,
+) -> dict[str, list[int]]:
+    # Which storages each entry uses, so that a partial load reads only those: a plain
+    # tensor's is known; anything else gets a pass of its own, which pickles only tensor
+    # metadata (every storage is known by now, so ids do not change).
+    entries: dict[str, list[int]] = {}
+    by_id = {saved.id: saved for saved in storages.values()}
+    for key, value in obj.items():
+        known = _plain_tensor_storage(value, storages)
+        if known is not None:
+            entries[key] = known
+            continue
+        probe = _pickler(pickle_module, io.BytesIO(), storages, protocol, skip)
+        probe.entry, probe.names = key, names
+        probe.dump(value)
+        entries[key] = sorted(probe.seen)
+        if len(by_id) != len(storages):  # a __reduce__ made new tensors this time
+            by_id = {saved.id: saved for saved in storages.values()}
+        for sid in probe.seen:
+            if by_id[sid].name == "<object>":
+                by_id[sid].name = key  # a tensor inside an object: named by its entry
+    return entries
+
+
+def _plain_tensor_storage(value: Any, storages: dict[int, SavedStorage]) -> list[int] | None:
+    # The storage ids a plain dense tensor was pickled with (none for a meta tensor, which
+    # torch pickles by its shape alone); None for anything whose pickle may hold more
+    # (Python attributes, nested or quantized tensors): those are probed.
     if type(value) not in (torch.Tensor, torch.nn.Parameter):
         return None
     if value.layout != torch.strided or value.is_quantized or value.is_nested:
         return None
     if getattr(value, "__dict__", None):
         return None  # attributes (w.scale = tensor) are pickled with it
-    return storages.get(value.untyped_storage()._cdata)
+    if value.is_meta:
+        return []
+    saved = storages.get(value.untyped_storage()._cdata)
+    return None if saved is None else [saved.id]
 
 
 def _tensor_paths(obj: Any, limit: int = 100_000) -> dict[int, str]:

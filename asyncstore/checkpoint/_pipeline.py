@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fnmatch
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -20,6 +22,7 @@ from typing import Any
 import msgspec
 import torch
 import xxhash
+import zstandard
 
 from .._concurrency import TaskSet, forget_errors, shield, to_thread, wait_shared
 from ..errors import AsyncStoreError
@@ -47,6 +50,29 @@ _SMALL_WRITE = 1 * MiB
 _WRITERS = TaskSet("asyncstore checkpoint saves")
 
 _SNAPSHOT, _WRITER = "snapshot", "writer"
+
+
+# Zero chunks (skip_data()) from this size are stored as a zstd frame; smaller ones raw.
+_FRAMED_FROM = 4096
+_ZEROS = bytes(MiB)
+
+
+@functools.lru_cache(maxsize=16)
+def _zero_chunk(size: int, level: int) -> Encoded:
+    """A chunk of ``size`` zero bytes as a zstd frame, made from a small buffer of zeros
+    (once per size and level: a save under skip_data() has few sizes)."""
+    compressor = zstandard.ZstdCompressor(level=level).compressobj(size=size)
+    digest = xxhash.xxh3_64()
+    parts = []
+    left = size
+    while left:
+        block = memoryview(_ZEROS)[: min(left, len(_ZEROS))]
+        parts.append(compressor.compress(block))
+        digest.update(block)
+        left -= len(block)
+    parts.append(compressor.flush())
+    stored = b"".join(parts)
+    return Encoded("zstd", stored, xxhash.xxh3_64_intdigest(stored), digest.intdigest())
 
 
 class PackTarget:
@@ -196,7 +222,11 @@ class SaveJob:
         """
         assert self._writer is not None
         started = time.perf_counter()
-        devices = {s.storage.device for s in self._storages if s.storage.device.type == "cuda"}
+        devices = {
+            s.storage.device
+            for s in self._storages
+            if s.storage.device.type == "cuda" and not s.zeros
+        }
         error: BaseException | None = None
         try:
             copier = self._copier = Copier(devices, self._tasks)
@@ -228,7 +258,13 @@ class SaveJob:
         # to fill a slab, so that unchanged bytes give the same chunks as last time.
         fixed = self._pack is not None
         for saved in self._storages:
-            source = storage_bytes(saved.storage)
+            if saved.meta:
+                continue  # no bytes: recorded without chunks, no staging, no I/O
+            # Under skip_data() the chunks are zeros: the tensor's own bytes are never read
+            # (a FakeTensor has none). Compressed, each is a zstd frame made once per size,
+            # without the slab; stored raw, the slab is zeroed.
+            source = None if saved.zeros else storage_bytes(saved.storage)
+            framed = saved.zeros and self._frames_zeros(saved)
             index = start = 0
             while start < saved.nbytes:
                 size = min(chunk, saved.nbytes - start)
@@ -249,7 +285,9 @@ class SaveJob:
                         # base, a full chunk may have to end early.
                         size = min(size, self._room(segment))
                 assert segment is not None
-                piece = Piece(saved, index, segment.used, size, source[start : start + size])
+                part = None if source is None else source[start : start + size]
+                piece = Piece(saved, index, segment.used, size, part)
+                piece.framed = framed and size >= _FRAMED_FROM
                 segment.pieces.append(piece)
                 segment.used += size
                 offset += size
@@ -258,6 +296,16 @@ class SaveJob:
         if segment is not None:
             await self._submit(segment, copier)
         copier.dispatch()
+
+    def _frames_zeros(self, saved: SavedStorage) -> bool:
+        # Whether the zero chunks of ``saved`` are stored as zstd frames: wherever it may be
+        # compressed at all. (A differential save looks its chunks up among earlier ones.)
+        codecs = self._codecs
+        return (
+            self._pack is None
+            and codecs.compression is not None
+            and not any(fnmatch.fnmatchcase(saved.name, p) for p in codecs.exclude)
+        )
 
     def _room(self, segment: Segment) -> int:
         # Bytes the segment can still take: chunk_bytes from its base, within its slab.
@@ -323,7 +371,9 @@ class SaveJob:
             event.synchronize()
         known = None if self._pack is None else self._pack.known
         return [
-            self._codecs.encode(
+            _zero_chunk(piece.size, self._codecs.level)
+            if piece.framed
+            else self._codecs.encode(
                 piece.storage, byte_view(segment.slab, piece.start, piece.size), known
             )
             for piece in segment.pieces
@@ -368,7 +418,7 @@ class SaveJob:
             else:  # every chunk was known already: no pack at all
                 await pack.sink.abort(AsyncStoreError("nothing new to write"))
                 pack.committed = True
-        raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages)
+        raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages if not s.meta)
         packs = list(data.packs)
         version = 2 if packs else 1  # the oldest format that holds it: every reader reads it
         manifest = fmt.Manifest(

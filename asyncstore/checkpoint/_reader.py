@@ -317,8 +317,12 @@ class ChunkReader:
         out: dict[int, torch.UntypedStorage] = {}
         targets: list[ChunkRead] = []
         await self.check_extents(entries)
-        check_memory(sum(entry.nbytes for entry in entries), self.source.url)
+        check_memory(sum(e.nbytes for e in entries if e.location != "meta"), self.source.url)
         for entry in entries:
+            if entry.location == "meta":
+                # A size and no bytes (the manifest allows no chunks for it): nothing to read.
+                out[entry.id] = torch.UntypedStorage(entry.nbytes, device="meta")  # type: ignore[no-untyped-call]
+                continue
             storage, memory = fixed_storage(entry.nbytes)
             targets += self._reads_into(entry, memory)
             out[entry.id] = storage
@@ -330,9 +334,13 @@ class ChunkReader:
     ) -> dict[int, torch.UntypedStorage]:
         """:meth:`storages` for ``load(mmap=True)``: each entry stored raw and in one piece
         (contiguous chunks in the checkpoint object itself) is built over a memory map of
-        the file (private and copy-on-write; ``shared``: changes reach the file), verified
-        through the map (the checksums read its pages once; no memory of the process
-        holds a copy); the others are read as :meth:`storages` reads them.
+        the file, private and copy-on-write, and verified through the map (the checksums
+        read its pages once; no memory of the process holds a copy); the others are read
+        as :meth:`storages` reads them.
+
+        ``shared`` (``MAP_SHARED``): the map is the tensors' writable home, whose changes
+        reach the file, so its bytes are the caller's to change: mapped storages are not
+        verified then (a later ordinary load of a file changed so fails its checksums).
 
         Raises:
             InvalidArgument: the checkpoint is not in a local file, which a map needs.
@@ -372,8 +380,9 @@ class ChunkReader:
             position = start
             for index, chunk in enumerate(entry.chunks):
                 view = byte_view(flat, position, chunk.stored)
-                target = ChunkRead(chunk, view, f"chunk {index} of tensor {entry.name!r}")
-                self._check(view, target)
+                if not shared:
+                    what = f"chunk {index} of tensor {entry.name!r}"
+                    self._check(view, ChunkRead(chunk, view, what))
                 position += chunk.stored
             out[entry.id] = whole[start : start + entry.nbytes]
         return out

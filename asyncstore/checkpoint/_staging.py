@@ -223,7 +223,11 @@ class Piece:
     index: int  # chunk number within the storage
     start: int  # offset in the slab
     size: int
-    source: torch.Tensor  # the bytes to copy; the slab's own bytes once copied
+    # The bytes to copy (None: zeros, for a storage saved under skip_data()); the slab's
+    # own bytes once copied.
+    source: torch.Tensor | None
+    # Zeros stored as a zstd frame made without the slab (see SaveJob): nothing to copy.
+    framed: bool = False
 
 
 @dataclass
@@ -270,7 +274,7 @@ class Copier:
     def add(self, segment: Segment) -> None:
         """Copy ``segment``'s pieces into its slab: queued now (CUDA) or at the next
         :meth:`dispatch` (CPU)."""
-        if any(piece.source.is_cuda for piece in segment.pieces):
+        if any(piece.source is not None and piece.source.is_cuda for piece in segment.pieces):
             self._copy_cuda(segment)
         else:
             segment.copied = asyncio.get_running_loop().create_future()
@@ -352,7 +356,10 @@ class Copier:
         used: set[int] = set()
         for piece in segment.pieces:
             target = segment.slab[piece.start : piece.start + piece.size]
-            if piece.source.is_cuda:
+            if piece.source is None:
+                if not piece.framed:
+                    target.zero_()
+            elif piece.source.is_cuda:
                 index = piece.source.device.index or 0
                 with torch.cuda.stream(self._streams[index]):
                     target.copy_(piece.source, non_blocking=True)
@@ -370,7 +377,10 @@ class Copier:
         base = segment.slab.data_ptr()
         for piece in segment.pieces:
             target = segment.slab[piece.start : piece.start + piece.size]
-            if piece.source.device.type == "cpu":
+            if piece.source is None:
+                if not piece.framed:
+                    ctypes.memset(base + piece.start, 0, piece.size)
+            elif piece.source.device.type == "cpu":
                 # A plain memmove (the GIL released): torch's copy would start a parallel
                 # region of its own on each of the copy threads.
                 ctypes.memmove(base + piece.start, piece.source.data_ptr(), piece.size)

@@ -14,6 +14,7 @@ import torch
 
 from .._concurrency import to_thread
 from ..errors import InvalidArgument, UnsafeCheckpoint, _plain
+from ._contexts import NONE, TorchContexts, entered
 from ._target import FileSource, Source
 
 __all__ = ["TorchOptions", "load_torch_file"]
@@ -22,9 +23,10 @@ __all__ = ["TorchOptions", "load_torch_file"]
 class TorchOptions:
     """The ``torch.load`` keywords that mean nothing to asyncstore's own checks but are
     honoured where they apply: ``pickle_module``, ``mmap`` and the unpickler's keywords
-    (``encoding``, ``errors``, ``fix_imports``)."""
+    (``encoding``, ``errors``, ``fix_imports``); and torch's contexts of the caller
+    (``skip_data()``, ``FakeTensorMode``), read on its thread."""
 
-    __slots__ = ("mmap", "mmap_shared", "pickle_load_args", "pickle_module")
+    __slots__ = ("contexts", "mmap", "mmap_shared", "pickle_load_args", "pickle_module")
 
     def __init__(
         self,
@@ -32,7 +34,9 @@ class TorchOptions:
         mmap: bool = False,
         pickle_load_args: Mapping[str, Any] | None = None,
         mmap_flags: int | None = None,
+        contexts: TorchContexts = NONE,
     ) -> None:
+        self.contexts = contexts
         if not isinstance(mmap, bool):
             raise InvalidArgument(f"mmap={mmap!r}: pass True or False")
         if mmap_flags is None:
@@ -86,10 +90,11 @@ async def load_torch_file(
     flags = _mmap.MAP_SHARED if options.mmap_shared else _mmap.MAP_PRIVATE
 
     def run(file: Any) -> Any:
-        # The caller's map option, on the thread torch.load runs on.
+        # The caller's map option and contexts, on the thread torch.load runs on.
         with (
             torch.serialization.safe_globals(allowed),
             torch.serialization.set_default_mmap_options(flags),
+            entered(options.contexts),
         ):
             return torch.load(file, map_location=map_location, weights_only=weights_only, **kwargs)
 

@@ -11,6 +11,7 @@ import torch.utils.serialization
 
 from .._loop import run_sync
 from ..checkpoint import load as _load
+from ..checkpoint._contexts import capture, carrying
 from ..checkpoint._load import LoadOptions
 from ..errors import InvalidArgument
 
@@ -70,22 +71,34 @@ def load(
     instead of reading them into memory (``None`` is torch's configured default). The
     unpickler's keywords (``encoding``, ``errors``, ``fix_imports``) are passed to it. A
     plain ``torch.save`` file gets all of them through ``torch.load`` itself.
+
+    The calling thread's ``torch.serialization.skip_data()`` and ``FakeTensorMode`` are
+    honoured as ``torch.load`` honours them: no tensor byte is read (storages of zeros, or
+    fake tensors that allocate nothing). Mapped with ``MAP_SHARED``
+    (``torch.serialization.set_default_mmap_options``), storages are not verified: the
+    file is theirs to change.
     """
     ours = {k: v for k, v in options.items() if k in LoadOptions.__optional_keys__}
     unpickler_args = {k: v for k, v in options.items() if k not in ours}
     if mmap is None:
         mmap = bool(torch.utils.serialization.config.load.mmap)
     chosen = _weights_only(weights_only, pickle_module)
+    # torch's contexts (skip_data(), FakeTensorMode) are per thread: read here, honoured
+    # on the threads that load.
+    contexts = capture()
     return run_sync(
-        _load(
-            f,
-            map_location=map_location,
-            weights_only=chosen,
-            pickle_module=pickle_module,
-            mmap=mmap,
-            pickle_load_args=unpickler_args,
-            # torch keeps this per thread; the load runs on asyncstore's.
-            mmap_flags=torch.serialization.get_default_mmap_options(),
-            **ours,
+        carrying(
+            contexts,
+            _load(
+                f,
+                map_location=map_location,
+                weights_only=chosen,
+                pickle_module=pickle_module,
+                mmap=mmap,
+                pickle_load_args=unpickler_args,
+                # torch keeps this per thread; the load runs on asyncstore's.
+                mmap_flags=torch.serialization.get_default_mmap_options(),
+                **ours,
+            ),
         )
     )

@@ -19,6 +19,7 @@ from ..checkpoint import SaveHandle, SaveResult
 from ..checkpoint import load as _load
 from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
+from ..checkpoint._contexts import capture, carrying
 from ..checkpoint._save import SaveOptions
 from ..checkpoint._target import put_whole as _put_whole
 from ..errors import (
@@ -113,6 +114,11 @@ def save(
     torch's own containers and byte-order records: asyncstore writes its own format either
     way, whose byte order is always little-endian and recorded by the format itself (see
     docs/checkpoints.md, "Drop-in for torch.save and torch.load").
+
+    Under the calling thread's ``torch.serialization.skip_data()``, every storage is saved
+    with its size and sharing but its chunks hold zeros (its bytes are never read;
+    ``materialize_fake_tensors=True`` saves FakeTensors so), as torch leaves them out.
+    Tensors on the meta device are saved as torch saves them, and load back on meta.
     """
     kwargs = _save_options(
         "save",
@@ -122,7 +128,8 @@ def save(
         _use_new_zipfile_serialization,
         _disable_byteorder_record,
     )
-    return run_sync(_save_and_wait(obj, f, kwargs))
+    # torch's contexts (skip_data()) are per thread: read here, used where it pickles.
+    return run_sync(carrying(capture(), _save_and_wait(obj, f, kwargs)))
 
 
 def save_async(
@@ -151,7 +158,7 @@ def save_async(
         _disable_byteorder_record,
     )
     try:
-        handle = run_sync(_save(obj, f, **kwargs))
+        handle = run_sync(carrying(capture(), _save(obj, f, **kwargs)))
     except (NotFound, PermissionDenied, StoreError, StoreUnavailable) as exc:
         # The store's errors (a server down, a missing bucket) are the save's outcome,
         # given by the future like those that come after the snapshot.
