@@ -353,16 +353,16 @@ async def test_many_small_tensors_load_from_a_local_file(tmp_path: Path) -> None
     assert_same(state, await asyncstore.load(tmp_path / "many.ckpt"))
 
 
-async def test_sparse_tensors_save_and_load_when_trusted(tmp_path: Path) -> None:
+@pytest.mark.parametrize("weights_only", [True, False])
+async def test_sparse_tensors_save_and_load(tmp_path: Path, weights_only: bool) -> None:
     # A sparse tensor has no storage of its own (its indices and values do): saving one
-    # used to fail with a bare NotImplementedError.
+    # used to fail with a bare NotImplementedError. weights_only=True loads it as torch does
+    # (checking its indices against its shape: tests/test_weights_only_rules.py).
     state = {"sparse": torch.eye(4).to_sparse(), "w": torch.ones(3)}
     await (await asyncstore.save(state, tmp_path / "s.ckpt"))
-    loaded = await asyncstore.load(tmp_path / "s.ckpt", weights_only=False)
+    loaded = await asyncstore.load(tmp_path / "s.ckpt", weights_only=weights_only)
     assert loaded["sparse"].layout == torch.sparse_coo
     assert torch.equal(loaded["sparse"].to_dense(), torch.eye(4))
-    with pytest.raises(UnsafeCheckpoint, match="_rebuild_sparse_tensor"):
-        await asyncstore.load(tmp_path / "s.ckpt")
 
 
 async def test_a_load_reads_one_file_while_a_save_replaces_it(

@@ -344,9 +344,12 @@ def test_a_target_that_is_no_file_is_an_attribute_error(target: Any) -> None:
         asyncstore.torch.load(target)
 
 
-def test_an_unseekable_file_is_an_attribute_error() -> None:
-    with pytest.raises(AttributeError, match="Unseekable"):
+def test_an_unseekable_file_is_an_attribute_error_in_torchs_words() -> None:
+    with pytest.raises(AttributeError, match="Unseekable") as caught:
         asyncstore.torch.load(Unseekable())
+    assert "You can only torch.load from a file that is seekable. Please pre-load" in str(
+        caught.value
+    )
 
 
 class ReadintoOnly(io.RawIOBase):

@@ -203,6 +203,13 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
         return Resolved(None, None, target)  # type: ignore[arg-type]
     if not writing and hasattr(target, "read") and hasattr(target, "seek"):
         return Resolved(None, None, target)  # type: ignore[arg-type]
+    if not writing and hasattr(target, "read"):
+        # torch.load's own words, which callers match on.
+        raise _NotAFile(
+            f"checkpoint source {target!r} cannot seek. You can only torch.load from a file "
+            "that is seekable. Please pre-load the data into a buffer like io.BytesIO and "
+            "try to load from it instead."
+        )
     kind = "a writable" if writing else "a readable, seekable"
     raise _NotAFile(
         f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "

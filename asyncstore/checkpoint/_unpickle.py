@@ -20,18 +20,29 @@ its arguments wrapped to check them first. Everything it refuses raises
 
 from __future__ import annotations
 
-import builtins
 import collections
 import io
 import pickle
-import reprlib
-import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint
+from ..errors import UnsafeCheckpoint
+from ._bounded import BOUNDED, BoundedUnpickler, PlainUnpickler, allow_list, custom_unpickler
+from ._rebuilds import (
+    MAX_DIMS,
+    MAX_KEY_DEPTH,
+    NEW_OK,
+    REBUILDS,
+    Checks,
+    allowed_globals,
+    check_attributes,
+    check_view,
+    refusal,
+    short,
+    unsupported_global,
+)
 
 __all__ = [
     "MAX_DIMS",
@@ -41,254 +52,15 @@ __all__ = [
     "RestrictedUnpickler",
     "allow_list",
     "check_view",
+    "custom_unpickler",
 ]
 
-# More dimensions than any real tensor has; a bound on what one view check walks.
-MAX_DIMS = 256
-# Tuples nested deeper than this are refused as dict keys or set members: CPython hashes
-# nested tuples recursively in C, without a recursion guard (a million levels crash it).
-MAX_KEY_DEPTH = 100
-# Items a pickle may make the unpickler copy, hash or walk, beyond one per byte of it:
-# constructors that copy their argument (set, bytearray, torch.Size) can be called again
-# and again on one memoised object, turning a megabyte of pickle into terabytes of work.
-_WORK_PER_BYTE = 8
-_WORK_FREE = 1 << 20
-
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 60
-
-
-def _refuse(where: str, what: str) -> UnsafeCheckpoint:
-    return UnsafeCheckpoint(
-        f"{where}: {what}, which weights_only=True does not load; the file was crafted, or "
-        "damaged before its checksums were computed. Pass weights_only=False only if you "
-        "trust its source"
-    )
-
-
-def check_view(
-    storage: Any, offset: Any, size: Any, stride: Any, dtype: torch.dtype, where: str
-) -> None:
-    """Refuse a tensor view (``offset``, ``size``, ``stride`` in elements of ``dtype``) that
-    does not lie inside ``storage``, or whose numbers are not plain non-negative ints.
-
-    Raises:
-        UnsafeCheckpoint: naming the view and the storage's size.
-    """
-    if isinstance(storage, torch.storage.TypedStorage):
-        nbytes = storage._untyped_storage.nbytes()
-    elif isinstance(storage, torch.UntypedStorage):
-        nbytes = storage.nbytes()
-    else:
-        raise _refuse(where, f"a tensor is built over a {type(storage).__name__}, not a storage")
-    if (
-        type(offset) is not int
-        or type(size) not in (tuple, list, torch.Size)
-        or type(stride) not in (tuple, list)
-        or len(size) != len(stride)
-        or len(size) > MAX_DIMS
-        or not all(type(n) is int for n in size)
-        or not all(type(n) is int for n in stride)
-    ):
-        raise _refuse(
-            where,
-            f"a tensor view has offset {_short.repr(offset)}, size {_short.repr(size)} and "
-            f"stride {_short.repr(stride)} (each must be plain ints, at most {MAX_DIMS} of them)",
-        )
-    if offset < 0 or min(size, default=0) < 0 or min(stride, default=0) < 0:
-        raise _refuse(where, f"a tensor view has a negative offset, size or stride ({size})")
-    if 0 in size:
-        return  # no elements: it reads no byte, wherever it starts
-    last = offset + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    needed = (last + 1) * dtype.itemsize
-    if needed > nbytes:
-        raise _refuse(
-            where,
-            f"a tensor of size {tuple(size)} reaches byte {needed:,} of a storage of "
-            f"{nbytes:,} bytes",
-        )
-
-
-class _Checks:
-    """The checks one unpickling shares: where (for messages) and the work left."""
-
-    def __init__(self, where: str, pickle_bytes: int) -> None:
-        self.where = where
-        self.work = _WORK_FREE + _WORK_PER_BYTE * pickle_bytes
-        self.keys: dict[int, tuple[Any, ...]] = {}  # tuples already checked, kept alive
-
-    def spend(self, items: int) -> None:
-        self.work -= items
-        if self.work < 0:
-            raise _refuse(
-                self.where,
-                "the pickle makes the unpickler copy or hash far more items than it holds",
-            )
-
-    def key(self, key: Any) -> None:
-        """Refuse a dict key or set member whose hash would recurse too deep or cost too
-        much (only tuples nest into a hash)."""
-        if not isinstance(key, tuple):
-            return
-        self.spend(len(key))
-        if id(key) in self.keys:
-            return
-        level = [key]
-        for _ in range(MAX_KEY_DEPTH):
-            level = [item for t in level for item in t if isinstance(item, tuple)]
-            if not level:
-                self.keys[id(key)] = key
-                return
-            self.spend(sum(len(t) for t in level))
-        raise _refuse(
-            self.where, f"a dict key or set member nests tuples more than {MAX_KEY_DEPTH} deep"
-        )
-
-    def sized(self, value: Any, what: str) -> Any:
-        """``value``, if it is a container whose items a constructor may copy (not a range,
-        an int or an iterator asking for 2**40 of them); their count is charged."""
-        if type(value) not in (list, tuple, set, frozenset, dict, collections.OrderedDict):
-            raise _refuse(self.where, f"{what} is built from a {type(value).__name__}")
-        self.spend(len(value))
-        return value
-
-
-def _allowed(checks: _Checks) -> dict[tuple[str, str], Any]:
-    where = checks.where
-
-    def hooks_refused(hooks: Any, what: str) -> None:
-        if hooks:
-            raise _refuse(where, f"{what} carries backward hooks")
-
-    def rebuild_v2(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
-        dtype = storage.dtype if isinstance(storage, torch.storage.TypedStorage) else torch.uint8
-        check_view(storage, offset, size, stride, dtype, where)
-        hooks_refused(rest[1] if len(rest) > 1 else None, "a tensor")
-        return torch._utils._rebuild_tensor_v2(storage, offset, size, stride, *rest)  # type: ignore[no-untyped-call]
-
-    def rebuild_v3(storage: Any, offset: Any, size: Any, stride: Any, *rest: Any) -> Any:
-        dtype = rest[2] if len(rest) > 2 else None
-        if not isinstance(dtype, torch.dtype):
-            raise _refuse(where, f"a tensor is rebuilt with dtype {_short.repr(dtype)}")
-        check_view(storage, offset, size, stride, dtype, where)
-        hooks_refused(rest[1], "a tensor")
-        return torch._utils._rebuild_tensor_v3(storage, offset, size, stride, *rest)  # type: ignore[no-untyped-call]
-
-    def rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Any:
-        if not isinstance(data, torch.Tensor):
-            raise _refuse(where, f"a parameter is built from a {type(data).__name__}")
-        hooks_refused(hooks, "a parameter")
-        return torch._utils._rebuild_parameter(data, requires_grad, hooks)  # type: ignore[no-untyped-call]
-
-    def ordered_dict(*args: Any) -> Any:
-        if args:
-            for pair in checks.sized(args[0], "an OrderedDict"):
-                if type(pair) is not tuple or len(pair) != 2:
-                    raise _refuse(where, "an OrderedDict is built from items that are not pairs")
-                checks.key(pair[0])
-        return collections.OrderedDict(*args)
-
-    def make_set(kind: type) -> Callable[..., Any]:
-        def build(*args: Any) -> Any:
-            if args:
-                for item in checks.sized(args[0], f"a {kind.__name__}"):
-                    checks.key(item)
-            return kind(*args)
-
-        return build
-
-    def make_bytearray(*args: Any) -> bytearray:
-        # Pickled as bytearray(bytes) (protocol 3+) or bytearray(str, "latin-1") (2).
-        if args and not isinstance(args[0], bytes | str):
-            raise _refuse(where, f"a bytearray is built from a {type(args[0]).__name__}")
-        checks.spend(len(args[0]) if args else 0)
-        return bytearray(*args)
-
-    def size(*dims: Any) -> torch.Size:
-        return torch.Size(checks.sized(dims[0], "a torch.Size") if dims else ())
-
-    allowed: dict[tuple[str, str], Any] = {
-        ("collections", "OrderedDict"): ordered_dict,
-        ("builtins", "set"): make_set(builtins.set),
-        ("builtins", "frozenset"): make_set(builtins.frozenset),
-        ("builtins", "complex"): builtins.complex,
-        ("builtins", "slice"): builtins.slice,
-        ("builtins", "range"): builtins.range,
-        ("builtins", "bytearray"): make_bytearray,
-        ("torch._utils", "_rebuild_tensor_v2"): rebuild_v2,
-        ("torch._utils", "_rebuild_tensor_v3"): rebuild_v3,
-        ("torch._utils", "_rebuild_parameter"): rebuild_parameter,
-        ("torch", "Size"): size,
-        ("torch", "device"): torch.device,
-        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
-    }
-    allowed.update(_DTYPES)
-    return allowed
-
-
-_DTYPES = {
-    ("torch", name): value
-    for name in dir(torch)
-    if isinstance(value := getattr(torch, name, None), torch.dtype)
-}
-
-# Classes that cls.__new__ may build (pickle's NEWOBJ) without a call through the checks
-# above: they build nothing large from their arguments.
-_NEW_OK = (complex, slice, range, torch.device, torch.nn.Parameter)
-
-_PyUnpickler: Any = pickle._Unpickler  # the pure-Python one: its opcodes can be replaced
-_bounded: dict[int, Callable[..., None]] = dict(_PyUnpickler.dispatch)
-
-
-class BoundedUnpickler(_PyUnpickler):  # type: ignore[misc]
-    """pickle's pure-Python unpickler, reading a pickle held in memory, with every length
-    the pickle gives checked against the pickle's own size before anything of that length
-    is allocated.
-
-    pickle's ``BYTEARRAY8`` allocates the length it reads, then reads into it (the C
-    unpickler does so for ``BINBYTES`` and ``BINBYTES8`` too): eleven crafted bytes would
-    otherwise take gigabytes. Every other length the pure-Python unpickler reads is a read
-    of the bytes that are there. Subclasses add their own checks; ``where`` names the file
-    in messages.
-
-    Raises (from :meth:`load`):
-        IntegrityError: a length past the end of the pickle.
-    """
-
-    dispatch = _bounded
-
-    def __init__(self, file: io.BytesIO, where: str, **unpickler_args: Any) -> None:
-        super().__init__(file, **unpickler_args)
-        self._pickle_bytes = file.getbuffer().nbytes
-        self._where = where
-
-    def load_bytearray8(self) -> None:
-        (size,) = struct.unpack("<Q", self.read(8))
-        if size > self._pickle_bytes:
-            raise IntegrityError(
-                f"{self._where}: the pickle claims a bytearray of {size:,} bytes but holds "
-                f"{self._pickle_bytes:,} bytes in all: it is damaged or crafted"
-            )
-        value = bytearray(size)
-        self.readinto(value)
-        if len(value) != size:  # outside a frame, pickle's readinto takes what is there
-            raise IntegrityError(f"{self._where}: the pickle ends inside a bytearray")
-        self.append(value)
-
-    _bounded[pickle.BYTEARRAY8[0]] = load_bytearray8
-
+_PyUnpickler: Any = pickle._Unpickler
 
 # The restricted unpickler's opcode table: the bounded one's, with the opcodes that call,
 # set state or insert replaced by the checked versions below. Every other opcode pushes a
 # constant, builds a tuple or list from what is already on the stack, or uses the memo.
-_dispatch: dict[int, Callable[..., None]] = dict(_bounded)
-
-
-_REBUILDS = (
-    ("torch._utils", "_rebuild_tensor_v2"),
-    ("torch._utils", "_rebuild_tensor_v3"),
-    ("torch._utils", "_rebuild_parameter"),
-)
+_dispatch: dict[int, Callable[..., None]] = dict(BOUNDED)
 
 
 class _TypeRef:
@@ -296,27 +68,10 @@ class _TypeRef:
     called (``torch.Tensor(2**40)`` would allocate that much)."""
 
     def __call__(self, *args: Any) -> Any:
-        raise UnsafeCheckpoint("the pickle calls torch.Tensor, which weights_only=True refuses")
+        raise refusal("a checkpoint", "the pickle calls torch.Tensor")
 
 
 _TENSOR_TYPE = _TypeRef()
-
-
-def _check_attributes(state: Any, cls: type, refuse: Callable[[str], Exception]) -> None:
-    """Refuse a plain tensor's pickled Python attributes unless they are a dict (or a
-    ``(dict, slots)`` pair, slots empty) of new names: none the class defines, none
-    starting with ``_``."""
-    if isinstance(state, tuple):
-        if len(state) != 2 or state[1]:
-            raise refuse("a tensor's pickled state sets slots")
-        state = state[0]
-    if state is None:
-        return
-    if type(state) is not dict:
-        raise refuse(f"a tensor's pickled state is a {type(state).__name__}")
-    for name in state:
-        if not isinstance(name, str) or name.startswith("_") or hasattr(cls, name):
-            raise refuse(f"a tensor's pickled state sets {_short.repr(name)}")
 
 
 # Modules whose names weights_only=True never loads, even when a caller allows them (the
@@ -346,9 +101,9 @@ class RestrictedUnpickler(BoundedUnpickler):
         **unpickler_args: Any,
     ) -> None:
         super().__init__(file, where, **unpickler_args)
-        self._checks = _Checks(where, self._pickle_bytes)
-        self._allowed = _allowed(self._checks)
+        self._checks = Checks(where, self._pickle_bytes)
         self._trusted: set[type] = set()
+        self._allowed = allowed_globals(self._checks, self._trusted)
         self._by_path: dict[str, Any] = {}  # torch's (value, "module.name") entries
         for item in safe_globals:
             if isinstance(item, tuple):
@@ -356,15 +111,21 @@ class RestrictedUnpickler(BoundedUnpickler):
                 self._by_path[path] = value
             else:
                 value = item
-                self._allowed[value.__module__, value.__qualname__] = value
+                # A checked constructor stays checked when the caller allows its class.
+                self._allowed.setdefault((value.__module__, value.__qualname__), value)
             if isinstance(value, type):
                 self._trusted.add(value)
         self._persistent = persistent_load
-        self._rebuilds = {self._allowed[key] for key in _REBUILDS}
+        self._rebuilds = {self._allowed[key] for key in REBUILDS}
         # A tensor with Python attributes, or of a subclass the caller allowed.
         self._allowed["torch._tensor", "_rebuild_from_type_v2"] = self._rebuild_from_type
         self._allowed["torch._tensor", "Tensor"] = _TENSOR_TYPE
         self._allowed["torch", "Tensor"] = _TENSOR_TYPE
+        values = [*self._allowed.values(), *self._by_path.values()]
+        try:
+            self._callables: set[Any] | list[Any] = set(values)
+        except TypeError:  # a caller's unhashable value: compared one by one
+            self._callables = values
 
     def persistent_load(self, pid: Any) -> Any:
         return self._persistent(pid)
@@ -375,7 +136,7 @@ class RestrictedUnpickler(BoundedUnpickler):
         # allowed; and attributes set on a plain Tensor or Parameter are new names holding
         # plain values, never ones the class defines (data, grad, __class__ ...).
         if func not in self._rebuilds:
-            raise self._refuse(f"a tensor is rebuilt by {_short.repr(func)}")
+            raise self._refuse(f"a tensor is rebuilt by {short.repr(func)}")
         if new_type is _TENSOR_TYPE:
             new_type = torch.Tensor
         plain = new_type in (torch.Tensor, torch.nn.Parameter)
@@ -385,36 +146,26 @@ class RestrictedUnpickler(BoundedUnpickler):
             and new_type in self._trusted
         ):
             raise self._refuse(
-                f"a tensor is rebuilt as {_short.repr(new_type)}, a type not allowed (allow "
+                f"a tensor is rebuilt as {short.repr(new_type)}, a type not allowed (allow "
                 "a tensor subclass with safe_globals)"
             )
         if type(args) is not tuple:
             raise self._refuse(f"a tensor is rebuilt from a {type(args).__name__}")
         if plain:
-            _check_attributes(state, new_type, self._refuse)
+            check_attributes(state, new_type, self._refuse)
         return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)  # type: ignore[no-untyped-call]
 
     def find_class(self, module: str, name: str) -> Any:
         if module.partition(".")[0] in BLOCKED_MODULES:
             # As torch: never, whatever the caller allowed.
-            raise UnsafeCheckpoint(
-                f"{self._where} holds {module}.{name}, whose module {module} is blocked: "
-                "weights_only=True never loads it, even when allowed"
-            )
+            raise unsupported_global(self._where, module, name, blocked=True)
         value = self._allowed.get((module, name), self._by_path.get(f"{module}.{name}"))
         if value is None:
-            raise UnsafeCheckpoint(
-                f"{self._where} holds {module}.{name}, which weights_only=True does not load "
-                f"(GLOBAL {module}.{name} was not an allowed global by default: only tensors, "
-                "containers and plain values are). If you trust where this checkpoint came "
-                "from, pass weights_only=False, or allow that one name with "
-                f"safe_globals=[{module}.{name}] or "
-                f"torch.serialization.add_safe_globals([{module}.{name}])"
-            )
+            raise unsupported_global(self._where, module, name, blocked=False)
         return value
 
     def _refuse(self, what: str) -> UnsafeCheckpoint:
-        return _refuse(self._where, what)
+        return refusal(self._where, what)
 
     # -- the opcodes that call something ---------------------------------------------------
 
@@ -422,15 +173,30 @@ class RestrictedUnpickler(BoundedUnpickler):
         args = self.stack.pop()
         if type(args) is not tuple:  # f(*range(2**40)) would build that tuple first
             raise self._refuse(f"a call takes its arguments from a {type(args).__name__}")
-        self.stack[-1] = self.stack[-1](*args)
+        func = self.stack[-1]
+        if not self._may_call(func):
+            # Only what a GLOBAL may name is called, not what a call returned (an allowed
+            # getattr would otherwise reach any attribute of an allowed class).
+            owner = getattr(func, "__self__", None)
+            raise self._refuse(
+                f"Trying to call reduce for unrecognized function {short.repr(func)}"
+                + (f" which belongs to {short.repr(owner)}" if owner is not None else "")
+            )
+        self.stack[-1] = func(*args)
+
+    def _may_call(self, func: Any) -> bool:
+        try:
+            return func in self._callables
+        except TypeError:  # func is unhashable
+            return any(func == value for value in self._callables)
 
     _dispatch[pickle.REDUCE[0]] = load_reduce
 
     def _new(self, cls: Any, args: Any, kwargs: Any) -> None:
         # The checked callables are functions, so they fail here: only classes that build
         # nothing large from their arguments, or that the caller trusts, are built.
-        if not isinstance(cls, type) or (cls not in _NEW_OK and cls not in self._trusted):
-            raise self._refuse(f"{_short.repr(cls)} is built without a call")
+        if not isinstance(cls, type) or (cls not in NEW_OK and cls not in self._trusted):
+            raise self._refuse(f"{short.repr(cls)} is built without a call")
         if type(args) is not tuple or type(kwargs) is not dict:
             raise self._refuse(f"{cls.__name__} is built from a {type(args).__name__}")
         self.append(cls.__new__(cls, *args, **kwargs))
@@ -549,59 +315,3 @@ class RestrictedUnpickler(BoundedUnpickler):
                 target.append(item)
 
     _dispatch[pickle.APPENDS[0]] = load_appends
-
-
-class PlainUnpickler(pickle.Unpickler):
-    """Unpickles anything (``weights_only=False``): only for checkpoints you trust."""
-
-    def __init__(
-        self, file: io.BytesIO, persistent_load: Callable[[Any], Any], **unpickler_args: Any
-    ) -> None:
-        super().__init__(file, **unpickler_args)
-        self._persistent = persistent_load
-
-    def persistent_load(self, pid: Any) -> Any:
-        return self._persistent(pid)
-
-
-def allow_list(safe_globals: Any) -> list[Any]:
-    """``safe_globals`` checked, with torch's own allow-list (``add_safe_globals``, the
-    ``safe_globals()`` context) added: classes and functions, or torch's
-    ``(value, "module.name")`` pairs.
-
-    Raises:
-        InvalidArgument: naming an item that is neither.
-    """
-    if isinstance(safe_globals, str) or not isinstance(safe_globals, Iterable):
-        raise InvalidArgument(
-            f"safe_globals={safe_globals!r}: pass a list of classes or functions, such as "
-            "[collections.OrderedDict]"
-        )
-    items = [*safe_globals, *torch.serialization.get_safe_globals()]
-    for item in items:
-        if isinstance(item, tuple):
-            ok = len(item) == 2 and isinstance(item[1], str)
-        else:
-            ok = isinstance(getattr(item, "__module__", None), str) and isinstance(
-                getattr(item, "__qualname__", None), str
-            )
-        if not ok:
-            raise InvalidArgument(
-                f"safe_globals item {item!r}: pass classes or functions, or (value, "
-                "'module.name') pairs as torch.serialization.add_safe_globals takes them"
-            )
-    return items
-
-
-def custom_unpickler(
-    module: Any,
-    file: io.BytesIO,
-    persistent_load: Callable[[Any], Any],
-    unpickler_args: Mapping[str, Any],
-) -> Any:
-    """An unpickler of ``module`` (the caller's ``pickle_module``, ``weights_only=False``)
-    reading ``file``, handing each persistent id to ``persistent_load``, as ``torch.load``
-    builds one."""
-    unpickler = module.Unpickler(file, **unpickler_args)
-    unpickler.persistent_load = persistent_load
-    return unpickler
