@@ -311,6 +311,17 @@ def test_meta_tensors_save_and_load_on_meta(
     assert only["model"]["bias"].is_meta
 
 
+def test_into_refuses_a_saved_meta_tensor_before_changing_anything(tmp_path: Path) -> None:
+    saved = {"a": torch.ones(3), "m": torch.empty(3, device="meta")}
+    asyncstore.torch.save(saved, tmp_path / "m.ckpt")
+    torch.save(saved, tmp_path / "m.pt")
+    for name in ("m.ckpt", "m.pt"):
+        into = {"a": torch.zeros(3), "m": torch.zeros(3)}
+        with pytest.raises(InvalidArgument, match=r"into\['m'\]: the checkpoint holds a tensor"):
+            asyncstore.torch.load(tmp_path / name, into=into)
+        assert not into["a"].any()
+
+
 def test_meta_storages_have_a_size_and_no_chunks(tmp_path: Path) -> None:
     path = tmp_path / "s.ckpt"
     storage = torch.UntypedStorage(1 << 30, device="meta")  # type: ignore[no-untyped-call]

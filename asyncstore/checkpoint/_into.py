@@ -15,7 +15,7 @@ from ._reader import ChunkReader
 from ._staging import byte_view
 from ._unpickle import check_view
 
-__all__ = ["check_read", "fill", "placeholders", "plan_into", "select"]
+__all__ = ["check_read", "fill", "placeholders", "plan_into", "refuse_meta", "select"]
 
 
 class _Plan:
@@ -218,6 +218,7 @@ async def fill(
 ) -> None:
     """Fill ``plan``'s tensors in place, one storage at a time: read it, copy its tensors
     into their targets, let it go; then store ``plan``'s other values."""
+    refuse_meta(plan, meta)
     users: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for pair in plan.pairs:
         _, loaded, target = pair
@@ -242,6 +243,19 @@ async def fill(
                 target.copy_(view)
         del storage
     _apply(plan)
+
+
+def refuse_meta(plan: _Plan, placeholders: Mapping[int, int]) -> None:
+    """Raise :class:`InvalidArgument`, before anything is changed, if ``plan`` pairs an
+    ``into`` tensor with a tensor the checkpoint saved on the meta device (a shape without
+    data, which cannot fill it); tensors on ``placeholders`` (storages not read yet) are
+    fine."""
+    for path, loaded, _ in plan.pairs:
+        if loaded.is_meta and loaded.untyped_storage()._cdata not in placeholders:
+            raise InvalidArgument(
+                f"{path}: the checkpoint holds a tensor on the meta device there, which has "
+                "no data to fill it with; load that entry without into="
+            )
 
 
 def _apply(plan: _Plan) -> None:
@@ -292,6 +306,7 @@ def select(obj: Any, wanted: list[str] | None, into: dict[str, Any] | None, url:
     if into is None:
         return type(obj)((k, obj[k]) for k in wanted)
     plan = plan_into(obj, into)
+    refuse_meta(plan, {})
     with torch.no_grad():
         for _, loaded, target in plan.pairs:
             target.copy_(loaded)
