@@ -343,6 +343,32 @@ async def test_skip_data_set_by_the_caller_is_honoured(tmp_path: Path) -> None:
     assert expected != torch_bytes(obj)
 
 
+def test_skip_data_reaches_the_sync_functions(tmp_path: Path) -> None:
+    # They run the save on asyncstore's loop thread: the caller's skip_data() is carried.
+    obj = state()
+    path = tmp_path / "skipped.pt"
+    with torch.serialization.skip_data():
+        expected = torch_bytes(obj)
+        asyncstore.torch.save(obj, path, format="torch")
+    assert path.read_bytes() == expected
+
+
+async def test_fake_tensors_save_as_torch_saves_them(tmp_path: Path) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = {"w": torch.randn(64, 32), "b": torch.zeros(32)}
+    path = tmp_path / "fake.pt"
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        expected = torch_bytes(fake)
+        handle = await asyncstore.save(fake, path, format="torch")
+    await handle
+    assert path.read_bytes() == expected
+    loaded = torch.load(path, weights_only=True)
+    assert loaded["w"].shape == (64, 32)
+    assert type(loaded["w"]) is torch.Tensor
+
+
 def test_only_the_callers_host_storages_are_copied() -> None:
     # Known host storages (a state dict's) are copied; a storage torch made itself (a
     # device tensor's copy on the host) is kept; when the object is more than containers

@@ -15,6 +15,7 @@ from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfi
 from ..errors import InvalidArgument
 from ..stores import Store
 from ._codec import Codecs, Known
+from ._contexts import current
 from ._handle import SaveHandle
 from ._packfile import PackId
 from ._pickle import PROTOCOL, check_protocol, pickle_structure
@@ -22,7 +23,7 @@ from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
 from ._target import Resolved, Sink, open_sink, resolve
 from ._torchformat import DEFAULT_PROTOCOL as TORCH_PROTOCOL
-from ._torchformat import caller_skip_data, save_torch_format
+from ._torchformat import save_torch_format
 
 __all__ = ["save", "save_packed", "SaveOptions"]
 
@@ -151,7 +152,7 @@ async def save(
     if format == "torch":
         _refuse_for_torch(config, compression)
         protocol = TORCH_PROTOCOL if pickle_protocol is None else check_protocol(pickle_protocol)
-        skip = caller_skip_data()  # torch keeps it per thread: read on the caller's
+        contexts = current()  # torch keeps them per thread: read on the caller's
         resolved = resolve(target, store_options, writing=True)
         release_target = await _lock(resolved)
         return await save_torch_format(
@@ -163,7 +164,7 @@ async def save(
             pickle_protocol=protocol,
             staging_bytes=config.staging_bytes,
             background=config.priority == "low",
-            skip=skip,
+            contexts=contexts,
         )
     pickling = (pickle_module, check_protocol(pickle_protocol))
     resolved = resolve(target, store_options, writing=True)

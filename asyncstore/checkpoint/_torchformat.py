@@ -3,11 +3,12 @@
 Two steps, so that the caller waits for a snapshot only, as with asyncstore's own format:
 
 1. The snapshot (the caller waits for it). On a worker thread, with the caller's
-   ``torch.serialization.skip_data()`` in effect there too, torch's own serializer (the
-   function ``torch.save`` runs) pickles the object into a :class:`_Records` that stands
-   in for torch's zip writer: the pickle, torch's small records, and every storage's bytes,
-   copied where the caller could change them afterwards (a storage on the host) and taken
-   as they are where torch made them (torch copies a device's storage to the host itself).
+   ``torch.serialization.skip_data()`` and ``FakeTensorMode`` in effect there too, torch's
+   own serializer (the function ``torch.save`` runs) pickles the object into a
+   :class:`_Records` that stands in for torch's zip writer: the pickle, torch's small
+   records, and every storage's bytes, copied where the caller could change them
+   afterwards (a storage on the host) and taken as they are where torch made them (torch
+   copies a device's storage to the host itself).
 2. The write (in the background). The save's writer task replays those records, in order,
    into torch's zip writer (``torch._C.PyTorchFileWriter``, with which ``torch.save``
    writes a file object) on a worker thread; its bytes stream into the target's sink in
@@ -39,6 +40,7 @@ import xxhash
 
 from .._concurrency import TaskSet, forget_errors, shield, to_thread
 from ..errors import AsyncStoreError, InvalidArgument, StoreClosed, UnsafeCheckpoint
+from ._contexts import TorchContexts, entered
 from ._handle import SaveHandle, SaveResult
 from ._target import Resolved, Sink, open_sink
 
@@ -177,19 +179,14 @@ def _snapshot(
     pickle_module: Any,
     protocol: int,
     disable_byteorder: bool,
-    skip: tuple[bool, bool] | None,
+    contexts: TorchContexts,
     budget: int,
 ) -> _Records:
-    # On a worker thread: the caller's skip_data() (per thread in torch) is entered here,
-    # where torch's serializer and Tensor.__reduce_ex__ read it.
+    # On a worker thread: the caller's skip_data() and FakeTensorMode (per thread in
+    # torch) are entered here, where torch's serializer and Tensor.__reduce_ex__ read them.
     records = _Records(_held_storages(obj), budget)
-    context = (
-        contextlib.nullcontext()
-        if skip is None
-        else torch.serialization.skip_data(materialize_fake_tensors=skip[1])
-    )
     try:
-        with context:
+        with entered(contexts):
             torch.serialization._save(  # type: ignore[no-untyped-call]
                 obj, records, pickle_module, protocol, disable_byteorder
             )
@@ -198,15 +195,6 @@ def _snapshot(
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
     return records
-
-
-def caller_skip_data() -> tuple[bool, bool] | None:
-    """The calling thread's ``torch.serialization.skip_data()``, as ``(True,
-    materialize_fake_tensors)``; ``None`` outside one."""
-    tls = getattr(torch.serialization, "_serialization_tls", None)  # torch 2.5 and later
-    if tls is None or not tls.skip_data:
-        return None
-    return True, bool(tls.materialize_fake_tensors)
 
 
 class _Stream:
@@ -456,7 +444,7 @@ async def save_torch_format(
     pickle_protocol: int,
     staging_bytes: int,
     background: bool,
-    skip: tuple[bool, bool] | None,
+    contexts: TorchContexts,
     disable_byteorder: bool = False,
     piece_bytes: int = PIECE_BYTES,
 ) -> SaveHandle:
@@ -464,7 +452,8 @@ async def save_torch_format(
     caller: ``release_target`` unlocks and closes it, once the save ends); return once the
     snapshot is taken (see the module's docstring).
 
-    ``skip``: the caller's ``skip_data()`` (:func:`caller_skip_data`), read on its thread.
+    ``contexts``: the caller's ``skip_data()`` and ``FakeTensorMode``, read on its thread
+    (``_contexts.current``).
     ``staging_bytes`` bounds the host memory the snapshot copies into; when the caller's
     host storages need more, the rest is written from them directly and this returns only
     once the file is written (as ``torch.save`` would).
@@ -479,7 +468,13 @@ async def save_torch_format(
         sink = await open_sink(resolved)
         snapshot_started = time.perf_counter()
         records = await to_thread(
-            _snapshot, obj, pickle_module, pickle_protocol, disable_byteorder, skip, staging_bytes
+            _snapshot,
+            obj,
+            pickle_module,
+            pickle_protocol,
+            disable_byteorder,
+            contexts,
+            staging_bytes,
         )
         snapshot_seconds = time.perf_counter() - snapshot_started
         job = _TorchWrite(
