@@ -7,7 +7,9 @@ twice: with torch's own ``FileSystemWriter``/``FileSystemReader``, and with
 row per PyTorch test: passed, failed or skipped with each.
 
 The substitution replaces only what a test module sees: its names bound to DCP's
-``FileSystemWriter``/``FileSystemReader``/``FsspecWriter``/``FsspecReader``, the DCP modules
+``FileSystemWriter``/``FileSystemReader``/``FsspecWriter``/``FsspecReader`` and
+``format_utils``' ``dcp_to_torch_save``/``torch_save_to_dcp`` (for
+``asyncstore.torch``'s), the DCP modules
 it imported (a view of each with those classes replaced), and its ``save``/``load``/
 ``async_save`` calls given a path ``checkpoint_id`` and no storage object (routed to ours
 when our plugin accepts the id, as DCP's own choice of plugin would). DCP's own code keeps
@@ -139,6 +141,14 @@ def _ours() -> dict[str, Any]:
         originals.update({fs.FsspecWriter: Writer, fs.FsspecReader: Reader})
     except ImportError:
         pass
+    # DCP's format conversions, for ours of the same names and arguments.
+    from torch.distributed.checkpoint import format_utils
+
+    import asyncstore.torch
+
+    for name in ("dcp_to_torch_save", "torch_save_to_dcp"):
+        table[name] = getattr(asyncstore.torch, name)
+        originals[getattr(format_utils, name)] = table[name]
     originals[filesystem.FileSystemWriter] = Writer
     originals[filesystem.FileSystemReader] = Reader
     for module, slot, names in (

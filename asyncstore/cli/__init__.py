@@ -13,13 +13,25 @@ import sys
 from collections.abc import Sequence
 
 from ..errors import AsyncStoreError as _AsyncStoreError
-from . import _bench, _cache, _cp, _demo, _export, _inspect, _ls, _prune, _server, _verify
+from . import (
+    _bench,
+    _cache,
+    _cp,
+    _demo,
+    _export,
+    _import,
+    _inspect,
+    _ls,
+    _prune,
+    _server,
+    _verify,
+)
 from ._common import fail as _fail
 
 __all__ = ["main", "parser"]
 
 # The verbs, in the order ``asyncstore --help`` lists them.
-_VERBS = (_ls, _inspect, _verify, _cp, _prune, _cache, _bench, _server, _export, _demo)
+_VERBS = (_ls, _inspect, _verify, _cp, _prune, _cache, _bench, _server, _export, _import, _demo)
 
 
 def parser() -> argparse.ArgumentParser:

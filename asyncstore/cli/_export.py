@@ -13,7 +13,7 @@ from ._common import add_json, emit
 from ._dcplocate import holds_dcp, need_step, version_url
 from ._runs import add_step, add_store_options, locate, parse_option, store_options
 
-__all__ = ["register"]
+__all__ = ["add_src_dst_options", "dst_options", "register"]
 
 
 def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -36,10 +36,18 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     export.add_argument("dst", help="where the torch.save file goes (a path or URL)")
     add_step(export, "the version of this step of the run at SRC")
+    add_src_dst_options(export)
+    add_json(export)
+    export.set_defaults(handler=run)
+
+
+def add_src_dst_options(parser: argparse.ArgumentParser) -> None:
+    """Give a verb from SRC to DST ``--option key=value`` for SRC's store (and DST's of the
+    same kind) and ``--dst-option key=value`` for DST's (see :func:`dst_options`)."""
     add_store_options(
-        export, what="the store of SRC, and of DST when DST is a store of the same kind"
+        parser, what="the store of SRC, and of DST when DST is a store of the same kind"
     )
-    export.add_argument(
+    parser.add_argument(
         "--dst-option",
         dest="dst_options",
         action="append",
@@ -50,8 +58,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "source; when none is given, DST takes SRC's options if it is a store of the same "
         "kind (both S3, or both local), and none otherwise",
     )
-    add_json(export)
-    export.set_defaults(handler=run)
 
 
 async def _source(src: str, options: dict[str, Any], step: int | None) -> tuple[str, bool]:
@@ -72,7 +78,9 @@ def _kind(url: str) -> str:
     return "file" if is_local(url) else url.partition("://")[0].lower()
 
 
-def _dst_options(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+def dst_options(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, Any]:
+    """The options of DST's store: ``--dst-option``'s, else SRC's ``options`` where DST is a
+    store of the same kind."""
     if args.dst_options:
         return store_options(args, args.dst, name="dst_options")
     # An S3 export to a local file (or back) takes no S3 options for the file.
@@ -98,15 +106,15 @@ async def _export_object(
 def run(args: argparse.Namespace) -> int:
     """Export; returns the exit status."""
     options = store_options(args, args.src)
-    dst_options = _dst_options(args, options)
+    chosen = dst_options(args, options)
     source, distributed = asyncio.run(_source(args.src, options, args.step))
     if distributed:
         from ._dcpexport import export_dcp
 
-        url = export_dcp(source, args.dst, options, dst_options)
+        url = export_dcp(source, args.dst, options, chosen)
         kind = "torch.save of the whole state, as dcp_to_torch_save writes it"
     else:
-        url = asyncio.run(_export_object(source, args.dst, options, dst_options))
+        url = asyncio.run(_export_object(source, args.dst, options, chosen))
         kind = "torch.save"
     emit(args, {"src": source, "dst": url}, f"exported {source} to {url} ({kind})")
     return 0
