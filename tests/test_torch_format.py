@@ -189,8 +189,9 @@ async def test_a_state_larger_than_staging_bytes_is_written_before_the_call_retu
     assert handle.done()
     first.zero_()
     second.zero_()
-    await handle
+    result = await handle
     assert path.read_bytes() == expected
+    assert result.snapshot_seconds == result.total_seconds  # the caller waited for it all
 
 
 async def test_a_failure_midway_leaves_the_old_file(tmp_path: Path) -> None:

@@ -63,7 +63,6 @@ _WRITERS = TaskSet("asyncstore torch-format saves")
 _PLAIN = frozenset(
     {int, float, bool, str, bytes, complex, type(None), torch.dtype, torch.device, torch.Size}
 )
-_CONTAINERS = (dict, collections.OrderedDict, list, tuple)
 
 
 class _Record(NamedTuple):
@@ -405,6 +404,9 @@ class _TorchWrite:
                 raise
             thread.result()
             await self._sink.commit()
+            total = time.perf_counter() - started
+            if self._records.borrowed:
+                snapshot_seconds = total  # the caller waited for the whole write
             return SaveResult(
                 url=self._sink.url,
                 raw_bytes=self._records.raw,
@@ -413,7 +415,7 @@ class _TorchWrite:
                 chunks=0,
                 compressed_storages=0,
                 snapshot_seconds=snapshot_seconds,
-                total_seconds=time.perf_counter() - started,
+                total_seconds=total,
                 digest=stream.digest,
                 direct_bytes=self._sink.direct_bytes,
             )
