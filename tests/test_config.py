@@ -67,7 +67,11 @@ def test_save_and_load_options_are_checked_in_one_place() -> None:
 def test_save_options_typed_dict_matches_save_config() -> None:
     # The sync adapters type their **options with SaveOptions and LoadOptions: they must
     # name exactly the options save() and load() take.
-    assert set(SaveOptions.__optional_keys__) == {*SaveConfig.__struct_fields__, "store_options"}
+    assert set(SaveOptions.__optional_keys__) == {
+        *SaveConfig.__struct_fields__,
+        "store_options",
+        "format",
+    }
     assert set(LoadOptions.__optional_keys__) == {
         *LoadConfig.__struct_fields__,
         "into",
