@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
-from ._contexts import current, entered
+from ._contexts import TorchContexts, current, entered
 
 __all__ = [
     "StoragePickler",
@@ -194,23 +194,28 @@ def check_protocol(protocol: object) -> int:
 
 
 def pickle_structure(
-    obj: Any, pickle_module: Any = None, protocol: int = PROTOCOL
+    obj: Any,
+    pickle_module: Any = None,
+    protocol: int = PROTOCOL,
+    contexts: TorchContexts | None = None,
 ) -> tuple[bytes, list[SavedStorage], dict[str, list[int]] | None]:
     """Pickle ``obj`` (with ``pickle_module``'s Pickler, when given, and ``protocol``);
     returns the bytes, the storages in order, and for a dict with str keys, each key's
     storage ids (so that a partial load reads only those).
 
-    Under ``torch.serialization.skip_data()`` (the caller's, see ``_contexts``) every
-    storage is recorded as usual but marked to be saved as zeros, and torch's own tensor
-    pickling runs as it does under it (a tensor on the meta device warns, a nested tensor
-    is refused).
+    ``contexts``: the caller's torch contexts, read on its thread; by default
+    ``_contexts.current()`` (those carried here, else this thread's). Under
+    ``torch.serialization.skip_data()`` every storage is recorded as usual but marked to be
+    saved as zeros, and torch's own tensor pickling runs as it does under it (a tensor on
+    the meta device warns, a nested tensor is refused).
 
     Raises:
         UnsafeCheckpoint: ``obj`` cannot be pickled.
         InvalidArgument: a tensor that cannot be saved under ``skip_data()`` (a nested
             or quantized tensor: also a ``RuntimeError``, as torch raises).
     """
-    contexts = current()
+    if contexts is None:
+        contexts = current()
     skip = contexts.skip_data
     storages: dict[int, SavedStorage] = {}
     entries: dict[str, list[int]] | None = None
