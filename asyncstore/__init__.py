@@ -21,13 +21,16 @@ from .errors import (
     IntegrityError,
     InvalidArgument,
     InvalidKey,
+    InvalidTarget,
     InvalidURL,
     NotFound,
     PermissionDenied,
     StoreClosed,
     StoreError,
     StoreUnavailable,
+    Unpicklable,
     UnsafeCheckpoint,
+    Unsupported,
 )
 
 # stores
@@ -93,6 +96,9 @@ __all__ = [
     "StoreClosed",
     "IntegrityError",
     "UnsafeCheckpoint",
+    "InvalidTarget",
+    "Unsupported",
+    "Unpicklable",
     # checkpoints (imported on first use: they need torch)
     "save",
     "load",

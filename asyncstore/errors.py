@@ -25,6 +25,9 @@ __all__ = [
     "StoreClosed",
     "IntegrityError",
     "UnsafeCheckpoint",
+    "InvalidTarget",
+    "Unsupported",
+    "Unpicklable",
 ]
 
 
@@ -42,18 +45,24 @@ class InvalidArgument(AsyncStoreError, ValueError, TypeError):
     """
 
 
-class _NotAFile(InvalidArgument, AttributeError):
-    """Raised (as :class:`InvalidArgument`) for a checkpoint target that is none of a path,
-    a URL, a ``(store, key)`` pair or a file object: it lacks ``write`` (saving) or
-    ``read``/``seek`` (loading). Also an :class:`AttributeError`, which ``torch.save`` and
-    ``torch.load`` raise for such an object, so their callers' handlers keep working."""
+class InvalidTarget(InvalidArgument, AttributeError):
+    """Raised for a checkpoint target that is none of a path, a URL, a ``(store, key)``
+    pair or a file object: it lacks ``write`` (saving) or ``read``/``seek`` (loading).
+
+    An :class:`InvalidArgument`, and also an :class:`AttributeError`, which ``torch.save``
+    and ``torch.load`` raise for such an object, so their callers' handlers keep working.
+    """
 
 
-class _CannotHere(InvalidArgument, RuntimeError):
-    """Raised (as :class:`InvalidArgument`) for arguments this machine or this combination
-    of options cannot honour: tensors for a device it lacks (CUDA without CUDA), or a
-    ``pickle_module`` with ``weights_only=True``. Also a :class:`RuntimeError`, which
-    ``torch.load`` raises for the same, so its callers' handlers keep working."""
+class Unsupported(InvalidArgument, RuntimeError):
+    """Raised for arguments this machine or this combination of options cannot honour:
+    tensors for a device it lacks (CUDA without CUDA), a ``pickle_module`` with
+    ``weights_only=True``, a nested or quantized tensor under
+    ``torch.serialization.skip_data()``.
+
+    An :class:`InvalidArgument`, and also a :class:`RuntimeError`, which torch raises for
+    the same, so its callers' handlers keep working.
+    """
 
 
 class InvalidKey(InvalidArgument):
@@ -123,10 +132,21 @@ class UnsafeCheckpoint(AsyncStoreError, pickle.UnpicklingError):
     of its storage, attaches backward hooks or other state, or would turn a few bytes into a
     huge allocation, and for sizes that need more memory than the machine has free or more
     than the stored bytes can decode to, before anything of that size is allocated. Saving
-    raises it for an object that cannot be pickled or a tensor on the meta device.
+    raises it (as :class:`Unpicklable`) for an object that cannot be pickled.
 
     Also a :class:`pickle.UnpicklingError`, the error ``torch.load`` raises for what its
     ``weights_only`` refuses, so a handler written for ``torch.load`` keeps working.
+    """
+
+
+class Unpicklable(UnsafeCheckpoint, pickle.PicklingError, AttributeError, TypeError):
+    """Raised by a save for an object that cannot be pickled (a lambda, a lock, a local
+    class, a FakeTensor outside ``skip_data(materialize_fake_tensors=True)``).
+
+    An :class:`UnsafeCheckpoint`, and also the :class:`pickle.PicklingError`,
+    :class:`AttributeError` and :class:`TypeError` that pickle, and so ``torch.save``,
+    raise for such objects, so their callers' handlers keep working. The pickling error is
+    its ``__cause__``.
     """
 
 

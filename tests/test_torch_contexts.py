@@ -5,6 +5,7 @@ torch's do; a ``MAP_SHARED`` map is the file's writable home and is not verified
 
 from __future__ import annotations
 
+import asyncio
 import io
 import mmap
 import os
@@ -131,6 +132,23 @@ async def test_skip_data_of_an_async_save_is_read_on_the_callers_thread(tmp_path
     assert not loaded["w"].any()
     await (await asyncstore.save(saved, tmp_path / "b.ckpt"))
     assert torch.equal((await asyncstore.load(tmp_path / "b.ckpt"))["w"], saved["w"])
+
+
+@pytest.mark.anyio
+async def test_skip_data_is_read_before_a_save_waits_for_its_target(tmp_path: Path) -> None:
+    # A second save to one target waits for the first to commit; the caller's skip_data()
+    # is read when it calls, not when the wait ends (by then the context is gone).
+    path = tmp_path / "one.ckpt"
+    saved = state()
+    first = await asyncstore.save(saved, path)
+    with skip_data():
+        waiting = asyncio.ensure_future(asyncstore.save(saved, path))
+        await asyncio.sleep(0)  # it has started, and waits behind the first
+    await first
+    await (await waiting)
+    loaded = await asyncstore.load(path)
+    assert loaded["w"].shape == saved["w"].shape
+    assert not loaded["w"].any()
 
 
 def test_skip_data_refuses_a_nested_tensor_as_torch_does(tmp_path: Path) -> None:
@@ -377,9 +395,9 @@ def test_a_map_shared_load_is_the_files_writable_home(tmp_path: Path) -> None:
     assert torch.equal(seen["bias"], shared["bias"])
     assert torch.equal(seen["weight"][1:], saved["weight"][1:])
     # Anything else verifies, and finds the file changed.
-    for options in ({}, {"mmap": True}):
+    for mapped in (False, True):
         with pytest.raises(IntegrityError, match="does not match its checksum"):
-            asyncstore.torch.load(path, **options)
+            asyncstore.torch.load(path, mmap=mapped)
     with pytest.raises(IntegrityError):
         run_sync(asyncstore.checkpoint.verify(path))
 

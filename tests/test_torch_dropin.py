@@ -9,6 +9,7 @@ import collections
 import io
 import mmap
 import pickle
+import threading
 import types
 import zipfile
 from pathlib import Path
@@ -197,7 +198,7 @@ def test_unpickler_keywords_are_checked(tmp_path: Path) -> None:
     asyncstore.torch.save({"s": "é"}, tmp_path / "a.ckpt")
     assert asyncstore.torch.load(tmp_path / "a.ckpt", encoding="ascii")["s"] == "é"
     with pytest.raises(InvalidArgument, match=r"unknown option.*bogus="):
-        asyncstore.torch.load(tmp_path / "a.ckpt", bogus=1)
+        asyncstore.torch.load(tmp_path / "a.ckpt", bogus=1)  # type: ignore[call-arg]
 
 
 def _mapped(path: Path) -> bool:
@@ -507,3 +508,27 @@ def test_torch_tensor_is_never_called(tmp_path: Path) -> None:
     asyncstore.torch.save({"a": Allocates()}, tmp_path / "a.ckpt")
     with pytest.raises(UnsafeCheckpoint, match=r"torch\.Tensor"):
         asyncstore.torch.load(tmp_path / "a.ckpt")
+
+
+def _local_function() -> Any:
+    def local() -> None:
+        pass
+
+    return local
+
+
+@pytest.mark.parametrize(
+    "make", [_local_function, threading.Lock, lambda: lambda: 0], ids=["local", "lock", "lambda"]
+)
+def test_an_unpicklable_object_raises_what_torch_save_raises(tmp_path: Path, make: Any) -> None:
+    # torch.save lets pickle's error out: AttributeError (a local object), TypeError (a
+    # lock), PicklingError (a lambda pickle cannot look up).
+    obj = make()
+    with pytest.raises((AttributeError, TypeError, pickle.PicklingError)) as caught:
+        torch.save({"x": obj}, io.BytesIO())
+    torch_type = type(caught.value)
+    with pytest.raises(torch_type) as ours:
+        asyncstore.torch.save({"x": obj}, tmp_path / "x.ckpt")
+    assert isinstance(ours.value, asyncstore.Unpicklable)
+    assert isinstance(ours.value, asyncstore.UnsafeCheckpoint)
+    assert not (tmp_path / "x.ckpt").exists()

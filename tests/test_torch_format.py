@@ -330,6 +330,22 @@ def test_the_sync_functions_forward_format(tmp_path: Path) -> None:
     assert_same(asyncstore.torch.load(other), obj)
 
 
+@pytest.mark.parametrize(
+    "keyword",
+    [{"_use_new_zipfile_serialization": False}, {"_disable_byteorder_record": True}],
+)
+def test_torch_keywords_that_would_change_the_file_are_refused(
+    tmp_path: Path, keyword: dict[str, bool]
+) -> None:
+    # They choose torch's legacy format or leave out its byte-order record: format="torch"
+    # writes neither, and says so rather than writing something else.
+    with pytest.raises(InvalidArgument, match=f"{next(iter(keyword))}=.*format='torch'"):
+        asyncstore.torch.save(state(), tmp_path / "x.pt", format="torch", **keyword)  # type: ignore[arg-type]
+    assert not (tmp_path / "x.pt").exists()
+    asyncstore.torch.save(state(), tmp_path / "y.ckpt", **keyword)  # type: ignore[arg-type]
+    assert (tmp_path / "y.ckpt").exists()  # asyncstore's format: accepted, as documented
+
+
 async def test_skip_data_set_by_the_caller_is_honoured(tmp_path: Path) -> None:
     obj = state()
     path = tmp_path / "skipped.pt"

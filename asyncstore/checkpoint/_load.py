@@ -17,7 +17,7 @@ import torch
 
 from .._concurrency import shield, to_thread
 from .._config import LoadConfig, build
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
+from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, Unsupported
 from . import _format as fmt
 from ._contexts import current, entered
 from ._into import check_read, fill, placeholders, plan_into, select
@@ -171,7 +171,7 @@ def _device_for(location: str, map_location: Any) -> torch.device:
             f"the checkpoint names a device {target!r} that does not exist"
         ) from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise _CannotHere(
+        raise Unsupported(
             f"the checkpoint holds tensors saved on {location!r} but CUDA is not available "
             "here: pass map_location='cpu'"
         )
@@ -185,7 +185,7 @@ def _to(storage: torch.UntypedStorage, device: torch.device) -> torch.UntypedSto
     try:
         return flat.to(device).untyped_storage()
     except (RuntimeError, AssertionError) as exc:  # torch raises both for a missing backend
-        raise _CannotHere(
+        raise Unsupported(
             f"tensors cannot be placed on {str(device)!r} here ({exc}): pass a "
             "map_location this machine has, such as 'cpu'"
         ) from None
@@ -282,7 +282,7 @@ async def load(
             f"{contexts.describe()}: load without into=, or outside that context"
         )
     if weights_only and pickle_module is not None:
-        raise _CannotHere(
+        raise Unsupported(
             f"pickle_module={pickle_module!r} cannot be used with weights_only=True (its "
             "Unpickler would run instead of the checked one): pass weights_only=False for a "
             "checkpoint you trust"

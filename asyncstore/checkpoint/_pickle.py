@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import IntegrityError, InvalidArgument, UnsafeCheckpoint, _CannotHere
+from ..errors import IntegrityError, InvalidArgument, Unpicklable, Unsupported
 from ._contexts import TorchContexts, current, entered
 
 __all__ = [
@@ -210,7 +210,7 @@ def pickle_structure(
     the meta device warns, a nested tensor is refused).
 
     Raises:
-        UnsafeCheckpoint: ``obj`` cannot be pickled.
+        Unpicklable: ``obj`` cannot be pickled (an :class:`UnsafeCheckpoint`).
         InvalidArgument: a tensor that cannot be saved under ``skip_data()`` (a nested
             or quantized tensor: also a ``RuntimeError``, as torch raises).
     """
@@ -235,12 +235,12 @@ def pickle_structure(
     except InvalidArgument:
         raise
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise UnsafeCheckpoint(f"the object cannot be saved: {exc}") from exc
+        raise Unpicklable(f"the object cannot be saved: {exc}") from exc
     except RuntimeError as exc:
         if not skip:
             raise
         # torch refuses, under skip_data(), tensors whose bytes it cannot leave out.
-        raise _CannotHere(
+        raise Unsupported(
             f"the object cannot be saved under torch.serialization.skip_data(): {exc}"
         ) from exc
     return buffer.getvalue(), list(storages.values()), entries

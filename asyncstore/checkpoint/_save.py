@@ -226,11 +226,14 @@ async def _start(
     packed: tuple[str, Known, dict[str, PackId]] | None,
     pickling: tuple[Any, int] = (None, PROTOCOL),
 ) -> SaveHandle:
+    # torch's contexts (skip_data()) are per thread: read on the caller's before waiting
+    # for the target, after which this task may resume anywhere.
+    contexts = current()
     release_target = await _lock(resolved)
     sink: Sink | None = None
     pack: PackTarget | None = None
     try:
-        structure, storages, entries = pickle_structure(obj, *pickling)
+        structure, storages, entries = pickle_structure(obj, *pickling, contexts=contexts)
         pool = staging_pool(config.chunk_bytes)
         pool.set_budget(config.staging_bytes)
         where = resolved.url.rpartition("/")[0]

@@ -9,7 +9,7 @@ import threading
 from typing import IO, Any
 
 from .._concurrency import shield, to_thread
-from ..errors import AsyncStoreError, InvalidArgument, InvalidURL, NotFound, _NotAFile
+from ..errors import AsyncStoreError, InvalidArgument, InvalidTarget, InvalidURL, NotFound
 from ..stores import CleansUpWrites, LocalFiles, PinnedReads, Store, Writer, open_store
 from ..stores._keys import check_key
 from ..stores._open import is_local, local_path, open_local
@@ -205,13 +205,13 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
         return Resolved(None, None, target)  # type: ignore[arg-type]
     if not writing and hasattr(target, "read"):
         # torch.load's own words, which callers match on.
-        raise _NotAFile(
+        raise InvalidTarget(
             f"checkpoint source {target!r} cannot seek. You can only torch.load from a file "
             "that is seekable. Please pre-load the data into a buffer like io.BytesIO and "
             "try to load from it instead."
         )
     kind = "a writable" if writing else "a readable, seekable"
-    raise _NotAFile(
+    raise InvalidTarget(
         f"checkpoint target {target!r} is a {type(target).__name__}; pass a path, a URL "
         f"('s3://bucket/run/step.ckpt'), a (store, key) pair or {kind} binary file object"
     )

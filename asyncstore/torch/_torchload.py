@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypedDict, Unpack
 
 import torch
 import torch.utils.serialization
@@ -15,9 +16,23 @@ from ..checkpoint._contexts import capture, carrying
 from ..checkpoint._load import LoadOptions
 from ..errors import InvalidArgument
 
-__all__ = ["load"]
+__all__ = ["load", "TorchLoadOptions"]
 
 _TRUE = ("1", "y", "yes", "true")
+
+
+class TorchLoadOptions(TypedDict, total=False):
+    """The keyword options of :func:`load` beyond ``torch.load``'s named ones: asyncstore's
+    (:func:`asyncstore.load`'s) and the unpickler's (``encoding``, ``errors``,
+    ``fix_imports``), for static checks of a caller's keywords."""
+
+    keys: Iterable[str] | None
+    into: dict[str, Any] | None
+    safe_globals: Iterable[Any]
+    store_options: dict[str, Any] | None
+    encoding: str
+    errors: str
+    fix_imports: bool
 
 
 def _weights_only(weights_only: Any, pickle_module: Any) -> bool:
@@ -39,7 +54,8 @@ def _weights_only(weights_only: Any, pickle_module: Any) -> bool:
         if force_not:
             warnings.warn(
                 "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD is set and weights_only was not passed: "
-                "loading with weights_only=False",
+                "forcing weights_only=False (as torch.load does); pass weights_only=True to "
+                "keep the safe load",
                 UserWarning,
                 stacklevel=3,
             )
@@ -55,7 +71,7 @@ def load(
     *,
     weights_only: bool | None = None,
     mmap: bool | None = None,
-    **options: Any,
+    **options: Unpack[TorchLoadOptions],
 ) -> Any:
     """Load a checkpoint like ``torch.load``, verifying every chunk.
 
@@ -78,8 +94,9 @@ def load(
     (``torch.serialization.set_default_mmap_options``), storages are not verified: the
     file is theirs to change.
     """
-    ours = {k: v for k, v in options.items() if k in LoadOptions.__optional_keys__}
-    unpickler_args = {k: v for k, v in options.items() if k not in ours}
+    given: dict[str, Any] = dict(options)
+    ours = {k: v for k, v in given.items() if k in LoadOptions.__optional_keys__}
+    unpickler_args = {k: v for k, v in given.items() if k not in ours}
     if mmap is None:
         mmap = bool(torch.utils.serialization.config.load.mmap)
     chosen = _weights_only(weights_only, pickle_module)

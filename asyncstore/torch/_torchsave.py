@@ -85,6 +85,18 @@ def _save_options(
     ):
         if not isinstance(value, bool):
             raise InvalidArgument(f"{func}({name}={value!r}): pass True or False")
+    if options.get("format") == "torch" and (not use_new_zipfile or disable_byteorder_record):
+        # They would change the file torch's format writes: never dropped in silence.
+        name = (
+            "_use_new_zipfile_serialization=False"
+            if not use_new_zipfile
+            else ("_disable_byteorder_record=True")
+        )
+        raise InvalidArgument(
+            f"{func}({name}, format='torch'): format='torch' writes torch's zip format with "
+            "its byte-order record; torch's legacy format and a file without the record are "
+            "not supported. Leave the keyword out, or call torch.save for such a file"
+        )
     if pickle_module is pickle:
         pickle_module = None
     return {**options, "pickle_module": pickle_module, "pickle_protocol": pickle_protocol}
@@ -113,7 +125,13 @@ def save(
     ``_use_new_zipfile_serialization`` and ``_disable_byteorder_record`` choose between
     torch's own containers and byte-order records: asyncstore writes its own format either
     way, whose byte order is always little-endian and recorded by the format itself (see
-    docs/checkpoints.md, "Drop-in for torch.save and torch.load").
+    docs/checkpoints.md, "Drop-in for torch.save and torch.load"); with ``format="torch"``
+    only their defaults are accepted.
+
+    ``format="torch"`` writes the file ``torch.save`` writes (byte for byte), for code that
+    reads it with ``torch.load``, through the same stores, atomically (see
+    docs/checkpoints.md, "torch's format"); the default, ``"asyncstore"``, is asyncstore's
+    own format, with verified loads and compression.
 
     Under the calling thread's ``torch.serialization.skip_data()``, every storage is saved
     with its size and sharing but its chunks hold zeros (its bytes are never read;
