@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import sys
 import tempfile
 import time
@@ -174,6 +175,42 @@ async def run(tmp: Path, size: int, check: Checks) -> None:
         failed and same(again, second) and pool.allocated == len(pool._free),
         "a failed GPU save's slabs are reused only after its queued copies landed",
     )
+
+    # format="torch" of GPU tensors: the file torch.save writes, and changes made after the
+    # call (kernels queued on the GPU) do not reach it.
+    gpu = {"w": torch.randn(MiB, device=devices[0]), "b": torch.randn(1000, device=devices[0])}
+    gpu["view"] = gpu["w"][10:20]
+    before = {k: v.detach().cpu().clone() for k, v in gpu.items()}
+    reference = io.BytesIO()
+    torch.save(gpu, reference)
+    handle = await asyncstore.save(gpu, tmp / "torch.pt", format="torch")
+    for tensor in gpu.values():
+        tensor.add_(1)
+    await handle
+    check(
+        (tmp / "torch.pt").read_bytes() == reference.getvalue(),
+        'format="torch" of GPU tensors writes the bytes torch.save writes',
+    )
+    plain = torch.load(tmp / "torch.pt", map_location="cpu", weights_only=True)
+    check(same(plain, before), 'format="torch" snapshots GPU tensors before later kernels')
+
+    # torch's contexts on a GPU checkpoint: nothing read, devices kept as torch keeps them.
+    with torch.serialization.skip_data():
+        skipped = await asyncstore.load(tmp / "gpu.ckpt")
+    check(
+        all(v.is_cuda == state[k].is_cuda and not v.any() for k, v in skipped.items()),
+        "skip_data() loads a GPU checkpoint as zeros on the saved devices",
+    )
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = await asyncstore.load(tmp / "gpu.ckpt")
+    check(
+        all(v.device == state[k].device for k, v in fake.items()),
+        "FakeTensorMode loads fake tensors on the saved devices",
+    )
+    meta = await asyncstore.load(tmp / "gpu.ckpt", map_location="meta")
+    check(all(v.is_meta for v in meta.values()), 'map_location="meta" loads every tensor there')
 
     # Timings: blocking time of a later save beside the plain device-to-host copy.
     timed = {f"t{i}": torch.randn(size * MiB // 4 // 16, device=devices[0]) for i in range(16)}
