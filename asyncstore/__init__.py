@@ -52,8 +52,14 @@ from .stores import (
 if typing.TYPE_CHECKING:
     # metrics: asyncstore.metrics.snapshot(), asyncstore.metrics.prometheus
     from . import metrics as metrics
-    from ._prefetch import Prefetcher, PrefetchStats
-    from .cache import CacheStats, StoreFetchStats, TieredCache, TierStats
+    from .cache import (
+        CacheStats,
+        Prefetcher,
+        PrefetchStats,
+        StoreFetchStats,
+        TieredCache,
+        TierStats,
+    )
     from .checkpoint import Checkpointer, SaveHandle, SaveResult, load, save
     from .stores.s3 import S3Store
 
@@ -110,8 +116,8 @@ __all__ = [
 # Where each name imported on first use lives.
 _LAZY = {
     "metrics": "",
-    "Prefetcher": "._prefetch",
-    "PrefetchStats": "._prefetch",
+    "Prefetcher": ".cache",
+    "PrefetchStats": ".cache",
     "TieredCache": ".cache",
     "CacheStats": ".cache",
     "TierStats": ".cache",
@@ -134,7 +140,7 @@ def __getattr__(name: str) -> object:
         raise AttributeError(f"module 'asyncstore' has no attribute {name!r}")
     if home:
         value: object = getattr(importlib.import_module(home, __name__), name)
-        if home in (".cache", "._prefetch"):
+        if home == ".cache":
             _show_here(value)  # asyncstore.TieredCache, as before it was imported lazily
     else:
         value = importlib.import_module(f".{name}", __name__)

@@ -23,9 +23,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from .._prefetch import PrefetchStats
 from .._resource import live as _live
-from ..cache import CacheStats
+from ..cache import CacheStats, PrefetchStats
 from ..stores._redact import redact as _redact
 from ..stores._stats import LATENCY_BUCKETS, RequestStats, StoreStats
 

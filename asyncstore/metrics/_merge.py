@@ -8,8 +8,7 @@ snapshot's, ``b``, unless ``b`` has seen nothing it could be taken over.
 
 from __future__ import annotations
 
-from .._prefetch import PrefetchStats
-from ..cache import CacheStats
+from ..cache import CacheStats, PrefetchStats
 from ..cache._stats import StoreFetchStats, TierStats
 from ..stores._stats import RequestStats, StoreStats
 

@@ -38,9 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from .._prefetch import PrefetchStats
 from .._resource import track
-from ..cache import CacheStats
+from ..cache import CacheStats, PrefetchStats
 from ..stores._stats import StoreStats
 from . import Component, _name
 from ._merge import add_cache, add_prefetch, add_store

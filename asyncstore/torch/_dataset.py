@@ -26,11 +26,10 @@ except ImportError:  # pragma: no cover - a torch without it: the check is skipp
 
 from .._config import DatasetConfig, build
 from .._dirs import check_disk_dir
-from .._keyindex import KeyIndex, build_index, write_index
 from .._loop import run_sync
-from .._prefetch import Prefetcher, PrefetchStats
 from .._resource import track
-from ..cache import CacheStats, TieredCache
+from ..cache import CacheStats, Prefetcher, PrefetchStats, TieredCache
+from ..cache._keyindex import KeyIndex, build_index, write_index
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..metrics._workers import WorkerFigures
 from ..stores import Store, open_store

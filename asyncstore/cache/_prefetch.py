@@ -17,13 +17,13 @@ from typing import Literal, Self
 
 import msgspec
 
-from ._concurrency import TaskSet, forget_errors
-from ._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConfig, build
-from ._resource import AsyncResource
-from .cache import TieredCache
-from .cache._stats import LatencyWindow
-from .errors import InvalidArgument
-from .stores._base import Store
+from .._concurrency import TaskSet, forget_errors
+from .._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConfig, build
+from .._resource import AsyncResource
+from ..errors import InvalidArgument
+from ..stores._base import Store
+from ._stats import LatencyWindow
+from ._tiered import TieredCache
 
 __all__ = ["Prefetcher", "PrefetchStats"]
 
