@@ -16,8 +16,30 @@ module, so that each of these questions has one answer:
 - **Background tasks**: a component owns a :class:`TaskSet`; ``spawn`` starts a named task
   and tracks it, ``aclose`` cancels and awaits every task still running, and the failure of
   a task nobody awaits is logged once.
+- **Bounded fan-out** (ranges of one object, keys to warm, pieces to read):
+  ``await bounded_map(func, items, limit=n)`` runs ``func`` on every item, ``n`` at a time,
+  and returns the results in order; the first failure stops the rest and is raised as it is.
+- **Retries** (a request, an upload to a mirror): ``await with_retries(call, ...)``, one
+  policy for the whole library: exponential backoff with full jitter, a bounded number of
+  attempts, a predicate saying what is worth retrying.
 - **Fork and exit**: :func:`after_fork_in_child` and :func:`at_exit` register hooks in one
   place, run in an explicit order (:class:`ExitStep`).
+
+One choice per primitive, so that a reader never wonders why two look alike:
+
+==========================  ==================================================================
+tasks                       asyncio, started only here (:class:`TaskSet`, :func:`bounded_map`)
+lock, semaphore, event,     ``asyncio.Lock``, ``asyncio.Semaphore``, ``asyncio.Event``,
+queue                       ``asyncio.Queue``: no pass through the event loop when free, and
+                            they hold under both kinds of cancellation described below
+bounding threads            an ``asyncio.Semaphore`` given to :func:`to_thread` as ``limiter``
+timeouts                    ``anyio.move_on_after`` / ``anyio.fail_after``: cancel scopes that
+                            nest, and that :func:`shield` holds back like any cancellation
+sleeping                    ``asyncio.sleep``
+I/O and locks               never I/O under a lock: the locked part decides, without awaiting,
+                            and returns the I/O still to do (see :mod:`.stores._s3pool`);
+                            callers that want the same result wait on a shared future
+==========================  ==================================================================
 
 Why not anyio's primitives alone: ``anyio.CancelScope(shield=True)`` and
 ``anyio.to_thread.run_sync`` protect against anyio's own cancel scopes, but not against a
@@ -38,6 +60,7 @@ import enum
 import functools
 import logging
 import os
+import random
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
@@ -45,19 +68,24 @@ from typing import Any, TypeVar
 from .errors import StoreClosed
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 __all__ = [
     "ExitStep",
     "TaskSet",
     "after_fork_in_child",
     "at_exit",
+    "backoff_delay",
+    "bounded_map",
     "forget_errors",
     "shield",
     "to_thread",
     "wait_shared",
+    "with_retries",
 ]
 
 logger = logging.getLogger("asyncstore")
+_retry_logger = logging.getLogger("asyncstore.retry")
 
 # -- cancellation ------------------------------------------------------------------------------
 
@@ -229,6 +257,108 @@ def forget_errors(tasks: Iterable[asyncio.Future[Any]]) -> None:
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()
+
+
+# -- bounded fan-out ---------------------------------------------------------------------------
+
+
+async def bounded_map(
+    func: Callable[[T], Awaitable[R]], items: Iterable[T], *, limit: int, name: str = "map"
+) -> list[R]:
+    """Return ``[await func(item) for item in items]``, running at most ``limit`` calls at once.
+
+    The results come in the order of ``items``. The first call to fail stops the others
+    (those running are cancelled and awaited, the rest never start) and its error is raised
+    as it is, not wrapped in an exception group: parallel pieces of one job fail for one
+    reason in practice, and the caller handles that reason. Cancelling the caller cancels
+    every call and waits for them to end before re-raising. ``name`` names the tasks.
+    """
+    todo = list(enumerate(items))
+    results: list[R] = [None] * len(todo)  # type: ignore[list-item]  # each slot is filled
+    if len(todo) <= 1 or limit <= 1:
+        for index, item in todo:  # nothing to overlap: no task to start
+            results[index] = await func(item)
+        return results
+    pending = iter(todo)
+
+    async def worker() -> None:
+        for index, item in pending:  # shared: each item goes to one worker
+            results[index] = await func(item)
+
+    loop = asyncio.get_running_loop()
+    workers = [
+        loop.create_task(worker(), name=f"asyncstore: {name} {n}")
+        for n in range(min(limit, len(todo)))
+    ]
+    try:
+        done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+    finally:
+        for task in workers:
+            task.cancel()  # nothing to do for those done; on the caller's cancellation, all
+        await shield(asyncio.wait(workers))
+    forget_errors(workers)  # one error is raised; the others are the same failure, or cancels
+    for task in workers:  # in start order: the first to fail among those done first
+        if task in done and not task.cancelled() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    return results
+
+
+# -- retries -----------------------------------------------------------------------------------
+
+
+def backoff_delay(attempt: int, base: float, cap: float) -> float:
+    """The pause before retry number ``attempt`` (1 for the first retry): full jitter, a delay
+    drawn uniformly from ``[0, min(cap, base * 2**(attempt - 1)))``.
+
+    Full jitter spreads the retries of many clients that failed together, so they do not come
+    back in lockstep and overload a recovering server again ("Exponential Backoff And Jitter",
+    AWS Architecture Blog, 2015).
+    """
+    return random.uniform(0.0, min(cap, base * (2 ** (attempt - 1))))
+
+
+async def with_retries(
+    call: Callable[[], Awaitable[T]],
+    *,
+    max_attempts: int,
+    base_delay: float,
+    max_delay: float,
+    retryable: Callable[[BaseException], bool],
+    exhausted: Callable[[Exception, int], Exception],
+    what: str,
+    on_retry: Callable[[Exception, int, float], None] | None = None,
+) -> T:
+    """Run ``call`` until it succeeds, retrying the failures ``retryable`` accepts after a
+    pause of :func:`backoff_delay`.
+
+    After ``max_attempts`` attempts the last failure is handed to ``exhausted(exc, attempts)``,
+    whose error is raised from it. Failures that are not retryable propagate at once, and so
+    does cancellation. Before each pause, ``on_retry(exc, attempt, delay)`` is called (by
+    default a DEBUG line naming ``what``): a caller that owes its users a warning logs it there.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except Exception as exc:
+            if not retryable(exc):
+                raise
+            if attempt >= max_attempts:
+                raise exhausted(exc, attempt) from exc
+            delay = backoff_delay(attempt, base_delay, max_delay)
+            if on_retry is not None:
+                on_retry(exc, attempt, delay)
+            else:
+                _retry_logger.debug(
+                    "%s failed (attempt %d of %d: %s); retrying in %.3f s",
+                    what,
+                    attempt,
+                    max_attempts,
+                    type(exc).__name__,
+                    delay,
+                )
+            await asyncio.sleep(delay)
 
 
 # -- fork and exit -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -259,3 +260,131 @@ def test_a_save_started_with_save_async_commits_at_exit(tmp_path: Path) -> None:
     assert loaded.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(loaded[name], tensor)
+
+
+# -- bounded_map ---------------------------------------------------------------------------------
+
+
+async def test_bounded_map_keeps_order_and_its_bound() -> None:
+    running = peak = 0
+
+    async def work(n: int) -> int:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.001 * (n % 3))  # finish out of order
+        running -= 1
+        return n * n
+
+    assert await _concurrency.bounded_map(work, range(20), limit=4) == [n * n for n in range(20)]
+    assert peak == 4
+    assert await _concurrency.bounded_map(work, [], limit=4) == []
+
+
+async def test_bounded_map_raises_the_first_failure_and_stops_the_rest() -> None:
+    started: list[int] = []
+    cancelled: list[int] = []
+
+    async def work(n: int) -> int:
+        started.append(n)
+        if n == 1:
+            raise ValueError("piece 1 failed")
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+        return n
+
+    with pytest.raises(ValueError, match="piece 1 failed"):  # itself, not in a group
+        await _concurrency.bounded_map(work, range(10), limit=3)
+    assert sorted(started) == [0, 1, 2]  # items 3 to 9 never started
+    assert sorted(cancelled) == [0, 2]
+
+
+async def test_bounded_map_cancelled_leaves_nothing_running() -> None:
+    ended: list[int] = []
+
+    async def work(n: int) -> int:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            ended.append(n)
+        return n
+
+    task = asyncio.ensure_future(_concurrency.bounded_map(work, range(5), limit=5))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(ended) == [0, 1, 2, 3, 4]  # all ended before the caller saw the cancel
+
+
+# -- with_retries --------------------------------------------------------------------------------
+
+
+class _Flaky(Exception):
+    pass
+
+
+async def test_with_retries_retries_what_is_retryable_then_succeeds() -> None:
+    calls = 0
+    retried: list[tuple[int, float]] = []
+
+    async def call() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise _Flaky(calls)
+        return "ok"
+
+    got = await _concurrency.with_retries(
+        call,
+        max_attempts=5,
+        base_delay=0.001,
+        max_delay=0.002,
+        retryable=lambda exc: isinstance(exc, _Flaky),
+        exhausted=lambda exc, n: RuntimeError(n),
+        what="flaky call",
+        on_retry=lambda exc, attempt, delay: retried.append((attempt, delay)),
+    )
+    assert got == "ok"
+    assert [attempt for attempt, _ in retried] == [1, 2]
+    assert all(0 <= delay <= 0.002 for _, delay in retried)
+
+
+async def test_with_retries_gives_up_after_the_attempts_and_passes_others_at_once() -> None:
+    calls = 0
+
+    async def always(exc: Exception) -> None:
+        nonlocal calls
+        calls += 1
+        raise exc
+
+    def policy(call: Any) -> Any:
+        return _concurrency.with_retries(
+            call,
+            max_attempts=3,
+            base_delay=0.0,
+            max_delay=0.0,
+            retryable=lambda exc: isinstance(exc, _Flaky),
+            exhausted=lambda exc, n: RuntimeError(f"gave up after {n}"),
+            what="call",
+        )
+
+    with pytest.raises(RuntimeError, match="gave up after 3") as info:
+        await policy(lambda: always(_Flaky()))
+    assert isinstance(info.value.__cause__, _Flaky)
+    assert calls == 3
+    calls = 0
+    with pytest.raises(KeyError):
+        await policy(lambda: always(KeyError("not retryable")))
+    assert calls == 1
+
+
+def test_backoff_delay_is_full_jitter_under_the_cap() -> None:
+    delays = [
+        _concurrency.backoff_delay(attempt, 0.1, 0.5) for attempt in range(1, 8) for _ in "ab"
+    ]
+    assert all(0.0 <= d < 0.5 for d in delays)
+    assert all(0.0 <= _concurrency.backoff_delay(1, 0.1, 5.0) < 0.1 for _ in range(50))

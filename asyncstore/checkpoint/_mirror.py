@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
 import xxhash
 
+from .._concurrency import with_retries
 from ..errors import AsyncStoreError, IntegrityError, NotFound
 from ..stores import CheckedUploads, Store
 from ._leases import LeaseHolder
@@ -41,8 +43,9 @@ logger = logging.getLogger("asyncstore.checkpoint")
 
 UPLOAD_ATTEMPTS = 5
 UPLOAD_RETRY_SECONDS = 1.0
-"""An upload to the mirror is tried this many times, the waits doubling from this; then it
-waits for the next checkpointer on the run (a mirror down for a minute costs warnings)."""
+"""An upload to the mirror is tried this many times, the waits (the library's one retry
+policy: full jitter) doubling from this; then it waits for the next checkpointer on the run
+(a mirror down for a minute costs warnings)."""
 
 COPY_CHUNK_BYTES = 8 << 20
 """Bytes read and written at a time: large enough for few requests per version, small
@@ -147,8 +150,9 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
 class Uploader:
     """The uploads of one checkpointer's versions from its store to its mirror.
 
-    One at a time (bounded memory beside training), each retried with doubling waits and
-    a warning, then left for the next checkpointer on the run. :meth:`abandon` stops the
+    One at a time (bounded memory beside training), each retried with doubling waits
+    (:func:`~asyncstore._concurrency.with_retries`) and a warning, then left for the next
+    checkpointer on the run. :meth:`abandon` stops the
     upload of a version being deleted and keeps it from starting again; an upload that
     finds, once done, that its version was deleted meanwhile (by another process) removes
     its copy again.
@@ -183,56 +187,72 @@ class Uploader:
     async def upload(self, key: str, committed: float) -> bool:
         """Copy ``key`` (committed locally at ``committed``, Unix seconds) to the mirror,
         retried with backoff; ``False`` when it gave up or was abandoned."""
-        delay = UPLOAD_RETRY_SECONDS
-        for attempt in range(1, UPLOAD_ATTEMPTS + 1):
+        started = time.monotonic()
+
+        async def attempt() -> bool:
+            nonlocal started
             started = time.monotonic()
-            try:
-                async with self._slot:
-                    if key in self._abandoned:
-                        return False
-                    task = asyncio.ensure_future(self._copy(key))
-                    self._running[key] = task
-                    self.uploading.add(key)
-                    try:
-                        await task
-                    except asyncio.CancelledError:
-                        current = asyncio.current_task()
-                        if task.cancelled() and not (current and current.cancelling()):
-                            return False  # abandoned: the version is being deleted
-                        raise
-                    finally:
-                        self.uploading.discard(key)
-                        del self._running[key]
-            except NotFound:
-                return False  # deleted here meanwhile: nothing to upload
-            except (AsyncStoreError, OSError) as exc:
-                self.failures += 1
-                if attempt == UPLOAD_ATTEMPTS:
-                    logger.warning(
-                        "uploading %s to the mirror %s failed %d times (%s); it stays local, "
-                        "and the next checkpointer on this run uploads it",
-                        key,
-                        self.mirror.url,
-                        attempt,
-                        exc,
-                    )
+            async with self._slot:
+                if key in self._abandoned:
                     return False
-                logger.warning(
-                    "uploading %s to the mirror %s failed (%s); retrying in %.1f s",
-                    key,
-                    self.mirror.url,
-                    exc,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay *= 2
-                continue
-            self.uploads += 1
-            self.last_seconds = time.monotonic() - started
-            # Wall clock: a resumed upload's version was committed by an earlier process.
-            self.last_lag_seconds = max(0.0, time.time() - committed)
+                task = asyncio.ensure_future(self._copy(key))
+                self._running[key] = task
+                self.uploading.add(key)
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    current = asyncio.current_task()
+                    if task.cancelled() and not (current and current.cancelling()):
+                        return False  # abandoned: the version is being deleted
+                    raise
+                finally:
+                    self.uploading.discard(key)
+                    del self._running[key]
             return True
-        return False
+
+        def retrying(exc: Exception, attempt: int, delay: float) -> None:
+            self.failures += 1
+            logger.warning(
+                "uploading %s to the mirror %s failed (%s); retrying in %.1f s",
+                key,
+                self.mirror.url,
+                exc,
+                delay,
+            )
+
+        def gave_up(exc: Exception, attempts: int) -> Exception:
+            self.failures += 1
+            logger.warning(
+                "uploading %s to the mirror %s failed %d times (%s); it stays local, "
+                "and the next checkpointer on this run uploads it",
+                key,
+                self.mirror.url,
+                attempts,
+                exc,
+            )
+            return _GaveUp()
+
+        try:
+            if not await with_retries(
+                attempt,
+                max_attempts=UPLOAD_ATTEMPTS,
+                base_delay=UPLOAD_RETRY_SECONDS,
+                max_delay=math.inf,  # doubling all the way: attempts bound the wait
+                retryable=_worth_retrying,
+                exhausted=gave_up,
+                what=f"upload of {key}",
+                on_retry=retrying,
+            ):
+                return False
+        except NotFound:
+            return False  # deleted here meanwhile: nothing to upload
+        except _GaveUp:
+            return False
+        self.uploads += 1
+        self.last_seconds = time.monotonic() - started
+        # Wall clock: a resumed upload's version was committed by an earlier process.
+        self.last_lag_seconds = max(0.0, time.time() - committed)
+        return True
 
     async def _copy(self, key: str) -> None:
         info = await self.local.stat(key)
@@ -257,3 +277,12 @@ class Uploader:
             await self.mirror.delete(key)
             self._packs.forget(self.mirror, key)
             raise
+
+
+class _GaveUp(Exception):
+    """An upload failed every attempt (logged already): it waits for the next checkpointer."""
+
+
+def _worth_retrying(exc: BaseException) -> bool:
+    # A store's failures (and the OS errors under them) may pass; a deleted source does not.
+    return isinstance(exc, AsyncStoreError | OSError) and not isinstance(exc, NotFound)

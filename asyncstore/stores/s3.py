@@ -29,12 +29,11 @@ import anyio
 import msgspec
 from botocore import exceptions as bex
 
-from .._concurrency import shield
+from .._concurrency import bounded_map, shield, with_retries
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from . import _s3pool
 from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
 from ._keys import check_key, check_prefix
-from ._retry import with_retries
 from ._s3client import NoCredentials, no_credentials_message, resolved_endpoint
 from ._s3config import S3Config
 from ._s3fast import S3HTTPError, SignedGetter
@@ -387,31 +386,18 @@ class S3Store(BaseStore):
             # A large object: fetch the rest in parallel, all from the version the first
             # response came from (If-Match), so a concurrent overwrite cannot mix versions.
             offsets = range(start + len(data), stop, part)
-            pieces: list[bytes] = [b""] * len(offsets)
 
-            async def fetch(
-                index: int,
-                offset: int,
-                etag: str | None = etag,
-                stop: int = stop,
-                pieces: list[bytes] = pieces,
-            ) -> None:
+            async def fetch(offset: int, etag: str | None = etag, stop: int = stop) -> bytes:
                 piece, _, _ = await self._range(key, offset, min(offset + part, stop), etag)
-                pieces[index] = piece
+                return piece
 
             try:
-                async with anyio.create_task_group() as tg:
-                    for index, offset in enumerate(offsets):
-                        tg.start_soon(fetch, index, offset)
-            except BaseExceptionGroup as group:
-                leaves = _leaves(group)
-                if all(isinstance(leaf, Precondition) for leaf in leaves):
-                    if pin is not None:
-                        raise self._replaced(key) from None
-                    continue  # overwritten mid-read: start again on the new version
-                # Parallel ranges fail for one reason in practice (the server went away):
-                # report that error rather than a group the caller would have to unpack.
-                raise next(e for e in leaves if not isinstance(e, Precondition)) from None
+                # Every range at once: the store's request slots bound what is in flight.
+                pieces = await bounded_map(fetch, offsets, limit=len(offsets), name="get range")
+            except Precondition:
+                if pin is not None:
+                    raise self._replaced(key) from None
+                continue  # overwritten mid-read: start again on the new version
             return b"".join([data, *pieces])  # each piece's length was checked in _range
         raise self._error(Precondition(), key)
 
@@ -572,13 +558,6 @@ def _bytes(view: memoryview) -> bytes:
     if isinstance(source, bytes) and len(source) == view.nbytes:
         return source
     return view.tobytes()
-
-
-def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
-    out: list[BaseException] = []
-    for exc in group.exceptions:
-        out.extend(_leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc])
-    return out
 
 
 # Shown where users meet it (reprs, tracebacks: asyncstore.S3Store), whichever import
