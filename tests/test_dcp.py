@@ -525,7 +525,7 @@ def test_saving_a_step_again_keeps_the_old_version_whole_until_the_new_one_commi
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from asyncstore.torch import Checkpointer
-    from asyncstore.torch import dcp as plugin
+    from asyncstore.torch import _dcpwriter as plugin
 
     run = tmp_path / "run"
     with Checkpointer(run) as ckpt:
@@ -680,7 +680,7 @@ def test_a_cached_plan_never_writes_over_the_committed_checkpoint(
     # DCP's plan caching reuses an earlier save's plan: the objects must still be new.
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-    from asyncstore.torch import dcp as plugin
+    from asyncstore.torch import _dcpwriter as plugin
 
     url = str(tmp_path / "ckpt")
     writer = StorageWriter(url)

@@ -23,33 +23,29 @@ import logging
 import os
 import time
 import weakref
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import msgspec
 
 from .._concurrency import TaskSet
-from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, build
+from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
 from .._dirs import make_dir
 from .._resource import AsyncResource
-from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
+from ..errors import AsyncStoreError, InvalidArgument, NotFound
 from ..stores import Store, open_store
 from ..stores._open import is_local, local_path
-from . import _distributed as dist_layout
+from ._dcpversion import DistributedVersion
 from ._handle import SaveHandle, SaveResult
 from ._leases import LeaseHolder
-from ._load import load as _load
-from ._load import verify as _verify
 from ._mirror import Uploader
 from ._packs import PackBook, pack_name
 from ._runconfig import CheckpointerConfig, CheckpointerStats, VerifyReport
 from ._runview import RunView
-from ._save import save as _save
-from ._save import save_packed
+from ._save import build_save_config, save_packed, start_save
 from ._versions import (
     CHAIN,
-    PREFIX,
     SAVED,
-    SUFFIX,
     Version,
     dcp_prefix,
     version_key,
@@ -81,8 +77,12 @@ class Checkpointer(AsyncResource):
             new chain): it bounds how many versions one damaged pack can take down, and
             lets packs of older chains go once their versions do. ``metadata`` then holds
             ``chain``, the version's place in its chain (0: written whole).
-        compression, staging_bytes, priority, chunk_bytes: as for :func:`asyncstore.save`
-            (``chunk_bytes`` is also the unit a differential save compares).
+        compression, level, chunk_bytes, staging_bytes, exclude, priority: as for
+            :func:`asyncstore.save`, for every save of the run (:meth:`save` and the
+            distributed versions' writers); ``chunk_bytes`` is also the unit a
+            differential save compares.
+        save_config: the same options as one :class:`~asyncstore.SaveConfig` (whose
+            ``metadata`` is stored with every version), instead of the keywords.
         store_options: options for :func:`open_store`.
         mirror: a second store (typically ``"s3://…"``, with ``url`` a fast local
             directory): each version commits at ``url`` first, then is copied to the
@@ -122,6 +122,9 @@ class Checkpointer(AsyncResource):
         differential: bool = True,
         full_every: int = 10,
         chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
+        level: int = 1,
+        exclude: Iterable[str] = (),
+        save_config: SaveConfig | None = None,
         store_options: dict[str, Any] | None = None,
         mirror: str | os.PathLike[str] | None = None,
         mirror_options: dict[str, Any] | None = None,
@@ -133,27 +136,20 @@ class Checkpointer(AsyncResource):
                 raise InvalidArgument(f"{name}={value!r}: pass a dict of open_store options")
         if mirror is None and mirror_options:
             raise InvalidArgument("mirror_options were given without mirror; pass both")
+        save = build_save_config("Checkpointer", save_config, locals())
         self._config = build(
             CheckpointerConfig,
             {
                 "keep_last": keep_last,
                 "keep_every": keep_every,
-                "compression": compression,
-                "staging_bytes": staging_bytes,
-                "priority": priority,
                 "differential": differential,
                 "full_every": full_every,
-                "chunk_bytes": chunk_bytes,
                 "mirror_timeout": mirror_timeout,
                 "close_timeout": close_timeout,
+                "save": save,
             },
             "Checkpointer",
         )
-        if self._config.staging_bytes < self._config.chunk_bytes:
-            raise InvalidArgument(
-                f"staging_bytes={staging_bytes} is smaller than chunk_bytes={chunk_bytes}: "
-                "the staging pool must hold at least one chunk"
-            )
         self._store_options = dict(store_options or {})
         for name, where in (("url", url), ("mirror", mirror)):
             if where is not None and is_local(os.fspath(where)):
@@ -178,10 +174,9 @@ class Checkpointer(AsyncResource):
         self._view = RunView(self._store, self._mirror, self._packs, self._config.mirror_timeout)
         self._stats = CheckpointerStats()
         self._retaining = asyncio.Lock()  # one retention at a time: each sees the last's work
-        # Writers of distributed versions handed out here (asyncstore.torch's dcp_writer),
-        # each with .step and .committed: a step one of them is still writing is not a
-        # leftover to remove.
-        self._dcp_writers: weakref.WeakSet[Any] = weakref.WeakSet()
+        # Distributed versions handed out here (dcp_version, for asyncstore.torch's
+        # writers): a step one of them is still writing is not a leftover to remove.
+        self._dcp_versions: weakref.WeakSet[DistributedVersion] = weakref.WeakSet()
 
     @property
     def config(self) -> CheckpointerConfig:
@@ -192,6 +187,11 @@ class Checkpointer(AsyncResource):
     def url(self) -> str:
         """Where the versions live."""
         return self._store.url
+
+    @property
+    def store_options(self) -> dict[str, Any]:
+        """The options the run's store was opened with (a copy), to open it elsewhere."""
+        return dict(self._store_options)
 
     def _resource_name(self) -> str:
         return f"the Checkpointer at {self._store.url}"
@@ -246,17 +246,15 @@ class Checkpointer(AsyncResource):
         if metadata is not None and not isinstance(metadata, dict):
             raise InvalidArgument(f"metadata={metadata!r}: pass a dict with str keys, or None")
         config = self._config
+        run = config.save
+        # The run's options, with this version's metadata beside the run's (checked here).
+        run = msgspec.structs.replace(
+            run, metadata={**run.metadata, **(metadata or {}), "step": step, SAVED: time.time()}
+        )
         key = version_key(step)
         self._view.damaged.discard((self._store.url, key))
         if self._uploader is not None:
             self._uploader.renew(key)  # deleted before: this save's upload may go ahead
-        options: dict[str, Any] = {
-            "compression": config.compression,
-            "staging_bytes": config.staging_bytes,
-            "priority": config.priority,
-            "chunk_bytes": config.chunk_bytes,
-            "metadata": {**(metadata or {}), "step": step, SAVED: time.time()},
-        }
         self._saving.add(key)
         pins: set[str] = set()
         lease: LeaseHolder | None = None
@@ -276,12 +274,12 @@ class Checkpointer(AsyncResource):
                     # And for other processes: their collections and gc() keep them too.
                     lease = LeaseHolder(self._store, pins | {key})
                     await lease.hold()
-                options["metadata"][CHAIN] = chain
-                handle = await save_packed(state, self._store, key, pack, known, ids, **options)
+                run = msgspec.structs.replace(run, metadata={**run.metadata, CHAIN: chain})
+                handle = await save_packed(state, self._store, key, pack, known, ids, run)
             else:
                 lease = LeaseHolder(self._store, {key})
                 await lease.hold()
-                handle = await _save(state, (self._store, key), **options)
+                handle = await start_save(state, (self._store, key), run)
         except BaseException:
             self._saving.discard(key)
             await self._packs.unpin(self._store, pins)
@@ -508,34 +506,8 @@ class Checkpointer(AsyncResource):
         await self._ensure_open()
         options = {"map_location": map_location, "keys": keys, "into": into}
         if step is not None:
-            versions = await self._view.listing()  # the listing only: the load reads its manifest
-            key = version_key(self._check_step(step))
-            for version in versions:
-                if version.step == step:
-                    return await self._view.load_version(version, options)
-            return await _load((self._store, key), **options)  # NotFound, naming it
-        # In the order they were saved: the newest last.
-        versions = await self._view.describe(await self._view.listing())
-        if not versions:
-            raise NotFound(f"{self._store.url} holds no checkpoint versions ({PREFIX}*{SUFFIX})")
-        failures: list[str] = []
-        for version in reversed(versions):
-            try:
-                return await self._view.load_version(version, options)
-            except (IntegrityError, NotFound) as exc:
-                if strict:
-                    raise IntegrityError(
-                        f"the newest version, step {version.step} "
-                        f"({self._store.url}/{version.key}), does not load: {exc}"
-                    ) from exc
-                failures.append(f"step {version.step}: {exc}")
-                logger.warning(
-                    "checkpoint version step %d at %s does not load (%s); trying the one before it",
-                    version.step,
-                    f"{self._store.url}/{version.key}",
-                    exc,
-                )
-        raise IntegrityError(f"no version at {self._store.url} loads: " + "; ".join(failures))
+            return await self._view.load_step(self._check_step(step), options)
+        return await self._view.load_newest(options, strict=strict)
 
     async def verify(self, step: int, *, raise_on_error: bool = False) -> VerifyReport:
         """Check every checksum of the version of ``step`` (each copy, with a mirror; for
@@ -547,71 +519,51 @@ class Checkpointer(AsyncResource):
         Raises:
             NotFound: there is no such version.
         """
-        key = version_key(self._check_step(step))
+        self._check_step(step)
         await self._ensure_open()
-        version = next((v for v in await self._view.listing() if v.step == step), None)
-        if version is None:
-            raise NotFound(f"{self._store.url}/{key} does not exist: no version of step {step}")
-        for store in self._view.copies(version):
-            try:
-                if version.kind == "dcp":
-                    await self._view.verify_distributed(store, version)
-                else:
-                    await _verify((store, key))
-            except IntegrityError as exc:
-                self._view.damaged.add((store.url, version.key))
-                if raise_on_error:
-                    raise
-                return VerifyReport(step, False, str(exc))
-            self._view.damaged.discard((store.url, version.key))
-        return VerifyReport(step, True)
+        return await self._view.verify_step(step, raise_on_error=raise_on_error)
 
     # -- distributed versions ------------------------------------------------------------------
 
-    def _dcp_url(self, step: int) -> str:
-        return f"{self._store.url}/{dcp_prefix(step)}".rstrip("/")
+    def dcp_url(self, step: int) -> str:
+        """The directory of the distributed version of ``step``
+        (``<url>/step-000001000.dcp``), where every rank reads and writes it.
 
-    def _dcp_damaged(self, step: int) -> None:
-        # A load found the distributed version of ``step`` damaged: listings say so.
+        Raises:
+            InvalidArgument: ``step`` is not an int >= 0.
+        """
+        return f"{self._store.url}/{dcp_prefix(self._check_step(step))}".rstrip("/")
+
+    async def dcp_version(self, step: int) -> DistributedVersion:
+        """Begin saving the distributed version of ``step`` from this process: what a DCP
+        storage writer (``asyncstore.torch``'s ``dcp_writer``) writes it with, and reports
+        to as it goes. Until it commits, :meth:`gc` and later saves leave its objects alone.
+
+        Raises:
+            InvalidArgument: ``step`` is not an int >= 0, or the checkpointer has a mirror
+                (every rank writes straight to the run's store).
+            StoreClosed: the checkpointer was closed.
+        """
+        url = self.dcp_url(step)
+        if self._mirror is not None:
+            raise InvalidArgument(
+                f"dcp_writer: the checkpointer at {self.url} has a mirror, which distributed "
+                "saves do not use (every rank writes straight to the store): point a "
+                "Checkpointer without mirror at the shared store (s3://...) instead"
+            )
+        await self._ensure_open()
+        version = DistributedVersion(self, step, url)
+        self._dcp_versions.add(version)
+        return version
+
+    def dcp_damaged(self, step: int) -> None:
+        """Note that a load found the distributed version of ``step`` damaged: listings
+        say so (``Version.state``) until it is saved again."""
         self._view.damaged.add((self._store.url, dcp_prefix(step)))
 
     def _dcp_writing(self) -> set[int]:
         # Steps that writers of this process are still saving (not committed, not dropped).
-        return {w.step for w in list(self._dcp_writers) if not w.committed}
-
-    def _dcp_written(self, result: SaveResult) -> None:
-        # This rank's object of a distributed save is written (on the loop, as _count).
-        self._stats.bytes_written += result.stored_bytes
-        self._stats.bytes_skipped += result.skipped_bytes
-
-    async def _dcp_counted(self, blocking: float, total: float | None) -> None:
-        # A distributed save through dcp_save/dcp_async_save ended on this rank (``total``
-        # None: it failed), counted on every rank, as a save() is.
-        stats = self._stats
-        if total is None:
-            stats.failed += 1
-            return
-        stats.saves += 1
-        stats.blocking_seconds += blocking
-        stats.last_blocking_seconds = blocking
-        stats.last_total_seconds = total
-
-    async def _dcp_committed(self, step: int, *, count: bool = True) -> None:
-        # A distributed version of ``step`` is complete (its .metadata written): it replaces
-        # a single-object version of that step; what killed distributed saves of earlier
-        # steps left goes; retention runs, as after save(). ``count``: the save was made
-        # with DCP directly, and is counted here, on the coordinator only.
-        key = version_key(step)
-        await self._store.delete(key)
-        self._packs.forget(self._store, key)
-        _, unfinished = await self._view.scan(self._store)
-        writing = self._dcp_writing()
-        for earlier in unfinished:
-            if earlier < step and earlier not in writing:
-                await dist_layout.remove_unnamed(self._store, dcp_prefix(earlier), set())
-        if count:
-            self._stats.saves += 1
-        self._tasks.spawn(self._retain(), name="retention", detached=True)
+        return {v.step for v in list(self._dcp_versions) if not v.committed}
 
     async def gc(self) -> int:
         """Remove what killed saves and uploads left, here and on the mirror: temp files and

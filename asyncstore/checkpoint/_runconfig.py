@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES
+from .._config import SaveConfig
 
 __all__ = ["CheckpointerConfig", "CheckpointerStats", "VerifyReport"]
 
@@ -21,22 +21,9 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     keep_every: Annotated[int, msgspec.Meta(ge=1)] | None = None
     """Nothing kept for good unless asked: long-term versions are a choice of the run."""
 
-    compression: Literal["auto", "zstd"] | None = "auto"
-    """As for :func:`asyncstore.save`."""
-
-    staging_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_STAGING_BYTES
-    """As for :func:`asyncstore.save`."""
-
-    priority: Literal["low", "normal"] = "low"
-    """As for :func:`asyncstore.save`."""
-
     differential: bool = True
     """On: a training run changes some tensors between saves (frozen layers, embeddings,
     buffers), and rewriting unchanged gigabytes costs time, disk and upload bandwidth."""
-
-    chunk_bytes: Annotated[int, msgspec.Meta(ge=4096)] = DEFAULT_SAVE_CHUNK_BYTES
-    """As for :func:`asyncstore.save`; also what a differential save compares: a chunk
-    whose bytes did not change is not written again."""
 
     full_every: Annotated[int, msgspec.Meta(ge=1)] = 10
     """Ten: a chain of differential versions shares the chunks of its full one, so a
@@ -53,6 +40,34 @@ class CheckpointerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     """Five minutes: closing waits this long for uploads still running, then abandons
     them (they stay local; the next checkpointer on the run uploads them), so that a job
     ends even when its mirror stalls. ``None`` waits for them however long they take."""
+
+    save: SaveConfig = msgspec.field(default_factory=SaveConfig)
+    """The options every save of the run is made with (its own saves, its distributed
+    versions' writers), as for :func:`asyncstore.save`; ``chunk_bytes`` is also what a
+    differential save compares: a chunk whose bytes did not change is not written again.
+    ``metadata`` is stored with every version, beside what each save adds."""
+
+    # The save options as they were read before they moved into ``save``.
+
+    @property
+    def compression(self) -> Literal["auto", "zstd"] | None:
+        """``save.compression``."""
+        return self.save.compression
+
+    @property
+    def staging_bytes(self) -> int:
+        """``save.staging_bytes``."""
+        return self.save.staging_bytes
+
+    @property
+    def priority(self) -> Literal["low", "normal"]:
+        """``save.priority``."""
+        return self.save.priority
+
+    @property
+    def chunk_bytes(self) -> int:
+        """``save.chunk_bytes``."""
+        return self.save.chunk_bytes
 
 
 class CheckpointerStats(msgspec.Struct):

@@ -26,9 +26,11 @@ from ._packfile import PackId
 from ._packfile import whole as pack_whole
 from ._packs import PACKS, PackBook
 from ._retention import Candidate, newest_first, victims
+from ._runconfig import VerifyReport
 from ._versions import (
     CHAIN,
     PREFIX,
+    SUFFIX,
     Copy,
     Version,
     dcp_prefix,
@@ -264,6 +266,60 @@ class RunView:
                 error = exc
         assert error is not None
         raise error
+
+    async def load_step(self, step: int, options: dict[str, Any]) -> Any:
+        """Load the version of ``step`` with ``load``'s ``options``."""
+        for version in await self.listing():  # the listing only: the load reads its manifest
+            if version.step == step:
+                return await self.load_version(version, options)
+        return await _load((self.store, version_key(step)), **options)  # NotFound, naming it
+
+    async def load_newest(self, options: dict[str, Any], *, strict: bool) -> Any:
+        """Load the newest version that loads (with ``strict``, the newest or an error),
+        with ``load``'s ``options``; each one passed over is logged."""
+        # In the order they were saved: the newest last.
+        versions = await self.describe(await self.listing())
+        if not versions:
+            raise NotFound(f"{self.store.url} holds no checkpoint versions ({PREFIX}*{SUFFIX})")
+        failures: list[str] = []
+        for version in reversed(versions):
+            try:
+                return await self.load_version(version, options)
+            except (IntegrityError, NotFound) as exc:
+                if strict:
+                    raise IntegrityError(
+                        f"the newest version, step {version.step} "
+                        f"({self.store.url}/{version.key}), does not load: {exc}"
+                    ) from exc
+                failures.append(f"step {version.step}: {exc}")
+                logger.warning(
+                    "checkpoint version step %d at %s does not load (%s); trying the one before it",
+                    version.step,
+                    f"{self.store.url}/{version.key}",
+                    exc,
+                )
+        raise IntegrityError(f"no version at {self.store.url} loads: " + "; ".join(failures))
+
+    async def verify_step(self, step: int, *, raise_on_error: bool) -> VerifyReport:
+        """Check every checksum of every copy of the version of ``step``, noting what it
+        finds in :attr:`damaged`."""
+        key = version_key(step)
+        version = next((v for v in await self.listing() if v.step == step), None)
+        if version is None:
+            raise NotFound(f"{self.store.url}/{key} does not exist: no version of step {step}")
+        for store in self.copies(version):
+            try:
+                if version.kind == "dcp":
+                    await self.verify_distributed(store, version)
+                else:
+                    await _verify((store, key))
+            except IntegrityError as exc:
+                self.damaged.add((store.url, version.key))
+                if raise_on_error:
+                    raise
+                return VerifyReport(step, False, str(exc))
+            self.damaged.discard((store.url, version.key))
+        return VerifyReport(step, True)
 
     async def to_upload(self, saving: set[str]) -> list[Version]:
         """The versions the mirror lacks (not uploaded yet, or its copy stale or damaged),

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, TypedDict
 
 from .._concurrency import forget_errors, shield
@@ -25,7 +25,7 @@ from ._target import Resolved, Sink, open_sink, resolve
 from ._torchformat import DEFAULT_PROTOCOL as TORCH_PROTOCOL
 from ._torchformat import save_torch_format
 
-__all__ = ["save", "save_packed", "SaveOptions"]
+__all__ = ["save", "save_packed", "start_save", "build_save_config", "SaveOptions"]
 
 
 class SaveOptions(TypedDict, total=False):
@@ -49,30 +49,45 @@ _LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.L
 _LOCKS = weakref.WeakKeyDictionary()
 
 
-def _config(
-    compression: object,
-    level: object,
-    chunk_bytes: object,
-    staging_bytes: object,
-    exclude: object,
-    metadata: object,
-    priority: object,
-) -> SaveConfig:
+def build_save_config(where: str, given: object, options: Mapping[str, Any]) -> SaveConfig:
+    """The one :class:`SaveConfig` of the save entry point ``where`` (``"save()"``,
+    ``"Checkpointer"``, …), validated once and then handed down unchanged: ``given`` (a
+    ``SaveConfig`` passed as ``save_config=``) or one built from the entry point's keyword
+    options, taken from ``options`` by their names (its ``locals()``: the names are written
+    once, here and in :class:`SaveConfig`, not at every entry point); a field it lacks
+    keeps its default.
+
+    Raises:
+        InvalidArgument: a bad option (named, with the entry point), ``given`` is not a
+            ``SaveConfig``, or both ``given`` and keyword options other than the defaults.
+    """
+    values = {name: options[name] for name in SaveConfig.__struct_fields__ if name in options}
+    exclude = values.get("exclude", ())
     # A single pattern is a str; any iterable of them is fine, but only a list converts.
     if isinstance(exclude, str):
-        exclude = [exclude]
+        values["exclude"] = [exclude]
     elif isinstance(exclude, Iterable) and not isinstance(exclude, bytes | dict):
-        exclude = list(exclude)
-    values = {
-        "compression": compression,
-        "level": level,
-        "chunk_bytes": chunk_bytes,
-        "staging_bytes": staging_bytes,
-        "exclude": exclude,
-        "metadata": {} if metadata is None else metadata,
-        "priority": priority,
-    }
-    return build(SaveConfig, values, "save()")
+        values["exclude"] = list(exclude)
+    if values.get("metadata", {}) is None:
+        values["metadata"] = {}
+    config = build(SaveConfig, values, where)
+    if given is None:
+        return config
+    if not isinstance(given, SaveConfig):
+        raise InvalidArgument(
+            f"{where}: save_config={given!r}: pass a SaveConfig (or the options as keywords)"
+        )
+    if config != SaveConfig():
+        changed = [
+            name
+            for name in SaveConfig.__struct_fields__
+            if getattr(config, name) != getattr(SaveConfig(), name)
+        ]
+        raise InvalidArgument(
+            f"{where}: save_config was given with {', '.join(changed)} as keywords: pass the "
+            "save options one way, all in the SaveConfig or all as keywords"
+        )
+    return given
 
 
 async def save(
@@ -148,7 +163,7 @@ async def save(
             "ranged and differential saves) or 'torch' (the file torch.save writes, for "
             "torch.load)"
         )
-    config = _config(compression, level, chunk_bytes, staging_bytes, exclude, metadata, priority)
+    config = build_save_config("save()", None, locals())
     if format == "torch":
         _refuse_for_torch(config, compression)
         protocol = TORCH_PROTOCOL if pickle_protocol is None else check_protocol(pickle_protocol)
@@ -167,8 +182,23 @@ async def save(
             contexts=contexts,
         )
     pickling = (pickle_module, check_protocol(pickle_protocol))
+    return await start_save(obj, target, config, store_options, started, pickling)
+
+
+async def start_save(
+    obj: Any,
+    target: Any,
+    config: SaveConfig,
+    store_options: dict[str, Any] | None = None,
+    started: float | None = None,
+    pickling: tuple[Any, int] = (None, PROTOCOL),
+) -> SaveHandle:
+    """:func:`save` in asyncstore's format with the options of ``config``, validated by
+    the caller (:func:`build_save_config`) and used as they are; ``started`` is when the
+    caller's save began (now, by default)."""
     resolved = resolve(target, store_options, writing=True)
-    return await _start(obj, resolved, config, started, None, pickling)
+    when = time.perf_counter() if started is None else started
+    return await _start(obj, resolved, config, when, None, pickling)
 
 
 # The options of asyncstore's format that torch's has no place for (besides compression).
@@ -200,20 +230,15 @@ async def save_packed(
     pack: str,
     known: Known,
     ids: dict[str, PackId],
-    *,
-    compression: Literal["auto", "zstd"] | None,
-    staging_bytes: int,
-    priority: Literal["low", "normal"],
-    metadata: dict[str, Any],
-    chunk_bytes: int = DEFAULT_SAVE_CHUNK_BYTES,
+    config: SaveConfig,
 ) -> SaveHandle:
-    """:func:`save` to ``key`` in ``store`` as a differential checkpoint (format version 2):
-    chunks ``known`` from earlier versions' packs are stored as references to them, the
-    others go to the new pack ``pack`` (a key relative to ``key``'s directory), which
-    commits before the checkpoint that points into it. ``ids`` holds the identity of
-    every pack ``known`` points into (checked by the caller), recorded in the manifest."""
+    """:func:`save` to ``key`` in ``store`` as a differential checkpoint (format version 2)
+    with the options of ``config``: chunks ``known`` from earlier versions' packs are
+    stored as references to them, the others go to the new pack ``pack`` (a key relative
+    to ``key``'s directory), which commits before the checkpoint that points into it.
+    ``ids`` holds the identity of every pack ``known`` points into (checked by the caller),
+    recorded in the manifest."""
     started = time.perf_counter()
-    config = _config(compression, 1, chunk_bytes, staging_bytes, (), metadata, priority)
     resolved = resolve((store, key), None, writing=True)
     return await _start(obj, resolved, config, started, (pack, known, ids))
 

@@ -39,6 +39,11 @@ class Checkpointer(DistributedMethods):
         """Where the versions live."""
         return self._ckpt.url
 
+    @property
+    def store_options(self) -> dict[str, Any]:
+        """The options the run's store was opened with (a copy)."""
+        return self._ckpt.store_options
+
     def save(
         self, state: Any, step: int, *, metadata: dict[str, Any] | None = None
     ) -> concurrent.futures.Future[SaveResult]:

@@ -296,7 +296,7 @@ def _run_or_directory(
             f"{what}: store_options={store_options!r} with a Checkpointer, which has its "
             "own: pass store_options=None"
         )
-    return where.url, dict(where._ckpt._store_options)
+    return where.url, where.store_options
 
 
 def _directory(where: object, what: str) -> str:

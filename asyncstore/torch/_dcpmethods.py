@@ -18,6 +18,7 @@ from ..errors import IntegrityError, InvalidArgument, NotFound, StoreError, Unsa
 
 if TYPE_CHECKING:
     from . import dcp
+    from ._dcpwriter import VersionWriter
 
 __all__ = ["DistributedMethods"]
 
@@ -117,7 +118,8 @@ class DistributedMethods:
         storage_writer=ckpt.dcp_writer(step))`` (or ``dcp.async_save``).
 
         Each rank writes its shards under ``step-000001000.dcp/`` with this checkpointer's
-        compression, staging and priority; the version exists once the coordinator has
+        save options (its ``SaveConfig``: compression, level, chunks, staging, exclude,
+        metadata, priority); the version exists once the coordinator has
         written its ``.metadata``. Then, on the coordinator, it replaces a single-object
         version of the same step, what killed distributed saves of earlier steps left is
         removed, and retention runs in the background as after :meth:`save` (closing the
@@ -130,32 +132,10 @@ class DistributedMethods:
         """
         return self._version_writer(step)
 
-    def _version_writer(self, step: int) -> dcp._VersionWriter:
-        from . import dcp
+    def _version_writer(self, step: int) -> VersionWriter:
+        from ._dcpwriter import VersionWriter
 
-        ckpt = self._ckpt
-        step = ckpt._check_step(step)
-        if ckpt._mirror is not None:
-            raise InvalidArgument(
-                f"dcp_writer: the checkpointer at {ckpt.url} has a mirror, which distributed "
-                "saves do not use (every rank writes straight to the store): point a "
-                "Checkpointer without mirror at the shared store (s3://...) instead"
-            )
-        run_sync(ckpt._ensure_open())
-        config = ckpt.config
-        writer = dcp._VersionWriter(
-            ckpt._dcp_url(step),
-            step=step,
-            on_commit=lambda: run_sync(ckpt._dcp_committed(step, count=not writer.counted)),
-            on_written=ckpt._dcp_written,
-            store_options=ckpt._store_options,
-            compression=config.compression,
-            staging_bytes=config.staging_bytes,
-            priority=config.priority,
-            chunk_bytes=config.chunk_bytes,
-        )
-        ckpt._dcp_writers.add(writer)
-        return writer
+        return VersionWriter(run_sync(self._ckpt.dcp_version(step)))
 
     def dcp_group(self) -> Any:
         """The process group this checkpointer's distributed saves and loads run their
@@ -199,10 +179,10 @@ class DistributedMethods:
                 state, storage_writer=writer, planner=planner, process_group=self.dcp_group()
             )
         except BaseException:
-            run_sync(self._ckpt._dcp_counted(0.0, None))
+            run_sync(writer.version.counted(0.0, None))
             raise
         took = time.monotonic() - started
-        run_sync(self._ckpt._dcp_counted(took, took))
+        run_sync(writer.version.counted(took, took))
 
     def dcp_async_save(
         self, state: dict[str, Any], step: int, *, planner: Any = None
@@ -231,7 +211,7 @@ class DistributedMethods:
                 state, storage_writer=writer, planner=planner, process_group=self.dcp_group()
             )
         except BaseException:
-            run_sync(self._ckpt._dcp_counted(0.0, None))
+            run_sync(writer.version.counted(0.0, None))
             raise
         blocking = time.monotonic() - started
         assert isinstance(staged, concurrent.futures.Future)
@@ -242,7 +222,7 @@ class DistributedMethods:
             error = future.exception()
             total = None if error is not None else time.monotonic() - started
             try:
-                run_sync(self._ckpt._dcp_counted(blocking, total))
+                run_sync(writer.version.counted(blocking, total))
             finally:
                 if error is not None:
                     done.set_exception(error)
@@ -289,11 +269,11 @@ class DistributedMethods:
 
         ckpt = self._ckpt
         if step is not None:
-            step = ckpt._check_step(step)
+            ckpt.dcp_url(step)  # checks it
         self._dcp_wait()  # its collectives run on the same group as the agreement's
         found = self._agreed_dcp(step, {})
         return dcp.StorageReader(
-            ckpt._dcp_url(found), store_options=ckpt._store_options, weights_only=weights_only
+            ckpt.dcp_url(found), store_options=ckpt.store_options, weights_only=weights_only
         )
 
     def dcp_load(
@@ -343,15 +323,15 @@ class DistributedMethods:
 
         ckpt = self._ckpt
         if step is not None:
-            step = ckpt._check_step(step)
+            ckpt.dcp_url(step)  # checks it
         self._dcp_wait()  # a save in flight runs collectives on the same group
         failed: dict[int, str] = {}  # step -> what failed (rank 0's copy decides)
         while True:
             found = self._agreed_dcp(step, failed)
-            url = ckpt._dcp_url(found)
+            url = ckpt.dcp_url(found)
             reader = dcp.StorageReader(
                 url,
-                store_options=ckpt._store_options,
+                store_options=ckpt.store_options,
                 partial_optimizer=partial_optimizer,
                 weights_only=weights_only,
             )
@@ -378,7 +358,7 @@ class DistributedMethods:
                     raise
                 rank, error = damage[0]
                 why = f"rank {rank}: {error}"
-                ckpt._dcp_damaged(found)
+                ckpt.dcp_damaged(found)
                 if step is not None:
                     raise IntegrityError(f"step {found} ({url}) does not load: {why}") from None
                 failed[found] = why
@@ -416,16 +396,16 @@ class DistributedMethods:
             step = version.step
             if step in failed:
                 continue
-            url = ckpt._dcp_url(step)
+            url = ckpt.dcp_url(step)
             if version.state == "damaged":
                 failed[step] = "found damaged earlier"
                 continue
             try:
-                dcp.StorageReader(url, store_options=ckpt._store_options).read_metadata()
+                dcp.StorageReader(url, store_options=ckpt.store_options).read_metadata()
             except (IntegrityError, NotFound) as exc:  # NotFound: deleted since it was listed
                 failed[step] = str(exc)
                 if isinstance(exc, IntegrityError):
-                    ckpt._dcp_damaged(step)
+                    ckpt.dcp_damaged(step)
                     logger.warning("%s is damaged (%s); passing over it", url, exc)
                 continue
             return step
