@@ -12,7 +12,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint typecheck pytest docs-api bench clean
+.PHONY: setup demo test lint imports typecheck pytest docs-api bench clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,10 @@ demo: setup
 lint: setup
 	$(BIN)/ruff check asyncstore tests benchmarks examples
 	$(BIN)/ruff format --check asyncstore tests benchmarks examples
+
+# The layers and the packages' seams ([tool.importlinter] in pyproject.toml).
+imports: setup
+	$(BIN)/lint-imports
 
 typecheck: setup
 	$(BIN)/mypy
@@ -46,7 +50,7 @@ docs-api: setup
 	$(BIN)/python -W error -m pdoc --docformat restructuredtext \
 		--output-directory build/api $(API_MODULES)
 
-test: lint typecheck docs-api pytest
+test: lint imports typecheck docs-api pytest
 
 bench: setup
 	$(BIN)/python benchmarks/bench_store.py

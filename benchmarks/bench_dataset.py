@@ -378,7 +378,7 @@ def run_many_keys(tmp: Path, count: int, say: Say) -> None:
     import json
     import subprocess
 
-    from asyncstore.cache._keyindex import build_index
+    from asyncstore.torch._keyindex import build_index
 
     source, cache, notes = tmp / "store", tmp / "cache", tmp / "notes"
     for path in (source, cache, notes):

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import asyncstore
 from asyncstore import IntegrityError
-from asyncstore.cache._keyindex import KeyIndex, build_index, write_index
 from asyncstore.torch import StreamingDataset
 from asyncstore.torch import _dataset as dataset_module
+from asyncstore.torch._keyindex import KeyIndex, build_index, write_index
 from asyncstore.torch._order import EpochOrder
 
 KEYS = ["b", "a/x", "é/ü", "a/b" * 300, "z"]
@@ -99,7 +99,7 @@ def listing_of(keys: list[str], calls: list[str], fail_after: int | None = None)
 async def test_an_interrupted_build_resumes_after_its_last_complete_key(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from asyncstore.cache import _keyindex
+    from asyncstore.torch import _keyindex
 
     monkeypatch.setattr(_keyindex, "_CHUNK", 100)  # flush the partial listing every 100
     keys = [f"train/{i:05d}.jpg" for i in range(1000)]
@@ -140,7 +140,7 @@ async def test_a_build_sorts_and_deduplicates_and_replaces_a_damaged_index(
 
 BUILDER = """
 import asyncio, sys, time
-from asyncstore.cache._keyindex import build_index
+from asyncstore.torch._keyindex import build_index
 
 async def listed(start_after):
     with open(sys.argv[2], "a") as log:
@@ -358,7 +358,7 @@ async def test_a_cancelled_build_finishes_its_file_work_before_letting_the_lock_
 ) -> None:
     import asyncio
 
-    from asyncstore.cache import _keyindex
+    from asyncstore.torch import _keyindex
 
     finished: list[bool] = []
     real = _keyindex._finish

@@ -21,7 +21,7 @@ from .._concurrency import TaskSet, forget_errors
 from .._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConfig, build
 from .._resource import AsyncResource
 from ..errors import InvalidArgument
-from ..stores._base import Store
+from ..stores import Store
 from ._stats import LatencyWindow
 from ._tiered import TieredCache
 

@@ -30,7 +30,7 @@ from ..stores._stats import LATENCY_BUCKETS, RequestStats, StoreStats
 
 if typing.TYPE_CHECKING:
     from ..checkpoint._manager import CheckpointerStats
-    from ..torch._dataset import DatasetStats
+    from ..torch import DatasetStats
 
 __all__ = [
     "CacheStats",

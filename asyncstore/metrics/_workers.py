@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,7 +46,7 @@ from . import Component, _name
 from ._merge import add_cache, add_prefetch, add_store
 
 if TYPE_CHECKING:
-    from ..torch._dataset import DatasetStats
+    from ..torch import DatasetStats
 
 __all__ = ["INTERVAL", "Publisher", "WorkerFigures"]
 
@@ -221,11 +222,14 @@ class WorkerFigures:
 
     Made by the dataset in the process that builds it (which owns the directory); copied
     into each worker with the dataset (pickled into a spawned one), where
-    :meth:`iteration` writes that worker's record.
+    :meth:`iteration` writes that worker's record. ``summary`` makes the owner's figures of
+    one worker id from its ``samples``, ``prefetch`` and ``cache`` figures (passed by keyword):
+    the owner's stats type, which this layer does not import.
     """
 
-    def __init__(self, owner: object) -> None:
+    def __init__(self, owner: object, summary: Callable[..., object]) -> None:
         self.name = _name(owner)
+        self.summary = summary
         self.owner = os.getpid()
         self.directory: str | None
         try:
@@ -249,10 +253,16 @@ class WorkerFigures:
         self._writer: _Writer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "owner": self.owner, "directory": self.directory}
+        return {
+            "name": self.name,
+            "owner": self.owner,
+            "directory": self.directory,
+            "summary": self.summary,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.name, self.owner, self.directory = state["name"], state["owner"], state["directory"]
+        self.summary = state["summary"]
         self._fresh()
 
     def iteration(self, store: Any, cache: Any, prefetcher: Any) -> Publisher:
@@ -322,8 +332,6 @@ class WorkerFigures:
     def components(self) -> list[Component[Any]]:
         """Per worker id, its figures summed over its processes, live and exited: one entry
         each for its store, cache, prefetcher and dataset."""
-        from ..torch._dataset import DatasetStats
-
         with self._lock:  # two scrapes at once must not fold a record twice
             live = self._records()
             totals = dict(self._folded)
@@ -344,7 +352,7 @@ class WorkerFigures:
                         worker=worker,
                     )
                 )
-            dataset = DatasetStats(
+            dataset = self.summary(
                 samples=total.samples, prefetch=total.prefetch, cache=total.cache
             )
             entries.append(Component(kind="dataset", name=self.name, stats=dataset, worker=worker))

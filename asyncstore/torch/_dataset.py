@@ -29,7 +29,6 @@ from .._dirs import check_disk_dir
 from .._loop import run_sync
 from .._resource import track
 from ..cache import CacheStats, Prefetcher, PrefetchStats, TieredCache
-from ..cache._keyindex import KeyIndex, build_index, write_index
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..metrics._workers import WorkerFigures
 from ..stores import Store, open_store
@@ -43,6 +42,7 @@ from ._datastate import (
     read_state,
     stream_slices,
 )
+from ._keyindex import KeyIndex, build_index, write_index
 from ._order import EpochOrder
 from ._shard import per_rank
 
@@ -287,7 +287,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if not self._keys:
             raise InvalidArgument(f"{self._url} holds no objects to read")
         track(self)  # listed by asyncstore.metrics.snapshot() while it lives
-        self._worker_figures = WorkerFigures(self)  # DataLoader workers' figures, for it
+        # DataLoader workers' figures, for it
+        self._worker_figures = WorkerFigures(self, DatasetStats)
 
     # -- the plan ----------------------------------------------------------------------------
 
