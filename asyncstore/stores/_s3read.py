@@ -9,11 +9,12 @@ early and never mixes two versions.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from botocore import exceptions as bex
 
 from ._base import BaseReader, ObjectInfo
+from ._s3base import S3StoreBase
 from ._s3responses import (
     Precondition,
     ShortBody,
@@ -23,17 +24,14 @@ from ._s3responses import (
     retryable,
 )
 
-if TYPE_CHECKING:
-    from .s3 import S3Store
-
 
 class S3Reader(BaseReader):
     """Streams one GET; if the connection breaks mid-body, resumes from the current offset
     with a ranged GET pinned to the same version (If-Match)."""
 
-    _store: S3Store
+    _store: S3StoreBase
 
-    def __init__(self, store: S3Store, key: str, chunk_bytes: int) -> None:
+    def __init__(self, store: S3StoreBase, key: str, chunk_bytes: int) -> None:
         super().__init__(store, key, chunk_bytes)
         self._body: Any = None
         self._offset = 0

@@ -15,17 +15,15 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from .._concurrency import TaskSet, forget_errors, to_thread, wait_shared
 from ..errors import NotFound, StoreError
 from ._base import BaseWriter, ObjectInfo
+from ._s3base import S3StoreBase
 from ._s3responses import error_code, object_info
-
-if TYPE_CHECKING:
-    from .s3 import S3Store
 
 _T = TypeVar("_T")
 _logger = logging.getLogger("asyncstore.s3")
@@ -56,9 +54,9 @@ class S3Writer(BaseWriter):
     """Buffers up to one part; a small object becomes one PUT, a large one a multipart upload
     whose parts upload in background tasks, ``upload_max_inflight`` at a time."""
 
-    _store: S3Store
+    _store: S3StoreBase
 
-    def __init__(self, store: S3Store, key: str) -> None:
+    def __init__(self, store: S3StoreBase, key: str) -> None:
         super().__init__(store, key)
         # A BytesIO, not a bytearray: getvalue() hands its storage over as bytes without a
         # copy, so each byte is copied once on its way to the socket (into this buffer).
