@@ -13,9 +13,12 @@ destination as it was). Like ``dcp_to_torch_save``, this holds the whole state i
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._common import progress
+
+if TYPE_CHECKING:
+    from .._config import SaveConfig
 
 __all__ = ["export_dcp", "import_dcp"]
 
@@ -38,12 +41,18 @@ def export_dcp(src: str, dst: str, options: dict[str, Any], dst_options: dict[st
 
 
 def import_dcp(
-    src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any], step: int | None
+    src: str,
+    dst: str,
+    options: dict[str, Any],
+    dst_options: dict[str, Any],
+    step: int | None,
+    config: SaveConfig,
 ) -> str:
     """Save the state dict in the ``torch.save`` file at ``src`` as a distributed
     checkpoint at ``dst`` (a directory's URL; with ``step``, that version of the run at
     ``dst``), the file loaded with ``weights_only=True``; ``options`` and ``dst_options``
-    are the two stores' options. Returns the checkpoint's URL. A progress bar shows the
+    are the two stores' options; every rank object is saved with ``config``. Returns the
+    checkpoint's URL. A progress bar shows the
     tensor bytes read and written when stderr is a terminal.
 
     Raises:
@@ -54,4 +63,6 @@ def import_dcp(
     from ..torch._dcpformat import write_dcp
 
     with progress(None, "importing") as bar:
-        return write_dcp(src, dst, options, dst_options, step=step, weights_only=True, bar=bar)
+        return write_dcp(
+            src, dst, options, dst_options, step=step, weights_only=True, bar=bar, config=config
+        )

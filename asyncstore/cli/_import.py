@@ -9,6 +9,7 @@ import argparse
 from ._common import add_json, emit
 from ._export import add_src_dst_options, dst_options
 from ._runs import add_step, store_options
+from ._saveopts import add_save_options, save_config
 
 __all__ = ["register"]
 
@@ -32,6 +33,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     command.add_argument("dst", help="the checkpoint's directory, or a run with --step")
     add_step(command, "save the distributed version of this step of the run at DST")
     add_src_dst_options(command)
+    add_save_options(command)
     add_json(command)
     command.set_defaults(handler=run)
 
@@ -40,9 +42,10 @@ def run(args: argparse.Namespace) -> int:
     """Import; returns the exit status."""
     from ._dcpexport import import_dcp
 
+    config = save_config(args, "asyncstore import")
     options = store_options(args, args.src)
     chosen = dst_options(args, options)
-    url = import_dcp(args.src, args.dst.rstrip("/"), options, chosen, args.step)
+    url = import_dcp(args.src, args.dst.rstrip("/"), options, chosen, args.step, config)
     emit(
         args,
         {"src": args.src, "dst": url},

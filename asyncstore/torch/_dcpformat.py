@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.futures import Future
 
+from .._config import SaveConfig
 from .._loop import run_sync
 from ..checkpoint._target import put_whole
 from ..checkpoint._versions import dcp_prefix
@@ -172,19 +173,23 @@ def write_dcp(
     step: int | None,
     weights_only: bool,
     bar: Any = None,
+    config: SaveConfig | None = None,
 ) -> str:
     """:func:`torch_save_to_dcp` of the file ``src`` to the checkpoint directory ``dst``,
-    or with ``step`` to that version of the run at ``dst``; ``bar`` (a ``tqdm``, or
-    ``None``) counts the file's tensor bytes, once read and once written."""
+    or with ``step`` to that version of the run at ``dst``, saved with ``config`` (the
+    defaults when ``None``); ``bar`` (a ``tqdm``, or ``None``) counts the file's tensor
+    bytes, once read and once written."""
     state = read_state(src, file_options, weights_only=weights_only)
     if bar is not None:
         bar.reset(total=2 * _tensor_bytes(state))
         bar.update(_tensor_bytes(state))
     if step is None:
-        _save(state, StorageWriter(dst, store_options=options))
+        _save(state, StorageWriter(dst, store_options=options, save_config=config))
         url = run_sync(_store_url(dst, options))
     else:
-        with Checkpointer(dst, store_options=options, keep_last=_KEEP_ALL) as ckpt:
+        with Checkpointer(
+            dst, store_options=options, keep_last=_KEEP_ALL, save_config=config
+        ) as ckpt:
             version = ckpt.dcp_writer(step)
             _save(state, version)
             assert version.url is not None
