@@ -15,6 +15,9 @@ import importlib
 import logging
 import typing
 
+# the options of every save, as one object
+from ._config import SaveConfig
+
 # errors
 from .errors import (
     AsyncStoreError,
@@ -110,6 +113,7 @@ __all__ = [
     "load",
     "SaveHandle",
     "SaveResult",
+    "SaveConfig",
     "Checkpointer",
 ]
 

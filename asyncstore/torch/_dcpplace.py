@@ -16,6 +16,11 @@ __all__ = ["checked_url", "done", "openable", "place"]
 
 
 def checked_url(checkpoint_id: Any, what: str) -> str:
+    """``checkpoint_id`` (a path, PathLike or URL) as a URL without a trailing ``/``.
+
+    Raises:
+        InvalidArgument: naming ``what`` and the id, for one that names no directory.
+    """
     if isinstance(checkpoint_id, os.PathLike):
         checkpoint_id = os.fspath(checkpoint_id)
     url = checkpoint_id.rstrip("/") if isinstance(checkpoint_id, str) else ""
@@ -28,7 +33,9 @@ def checked_url(checkpoint_id: Any, what: str) -> str:
 
 
 def openable(checkpoint_id: object) -> bool:
-    # What open_store can open: a plain path, file://, memory://NAME, s3://BUCKET. DCP asks
+    """Whether asyncstore can open ``checkpoint_id``: a plain path, ``file://``,
+    ``memory://NAME`` or ``s3://BUCKET`` (the plugin's ``validate_checkpoint_id``)."""
+    # DCP asks
     # each plugin in turn and takes the first that says yes, so a yes here for a URL we
     # cannot open would take it from a plugin that can (and fail later, further from the
     # cause).
@@ -56,6 +63,7 @@ def place(
 
 
 def done(value: Any) -> Future[Any]:
+    """A future already holding ``value`` (what DCP's storage calls return)."""
     future: Future[Any] = Future()
     future.set_result(value)
     return future
