@@ -14,7 +14,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Generic, Literal, TypeVar
 
-import msgspec
 import torch.distributed as dist
 import xxhash
 from torch.utils.data import IterableDataset, get_worker_info
@@ -28,7 +27,7 @@ from .._config import DatasetConfig, build
 from .._dirs import check_disk_dir
 from .._loop import run_sync
 from .._resource import track
-from ..cache import CacheStats, Prefetcher, PrefetchStats, TieredCache
+from ..cache import CacheStats, Prefetcher, TieredCache
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..metrics._workers import WorkerFigures
 from ..stores import Store, open_store
@@ -42,6 +41,7 @@ from ._datastate import (
     read_state,
     stream_slices,
 )
+from ._epochfigures import DatasetStats, EpochFigures, EpochTotals, figures
 from ._keyindex import KeyIndex, build_index, write_index
 from ._order import EpochOrder
 from ._shard import per_rank
@@ -54,88 +54,9 @@ MiB = 1 << 20
 
 logger = logging.getLogger("asyncstore.torch")
 
-# Per-worker slots of the shared totals (workers beyond this share slots, still summed).
-_SLOTS = 256
-
-# The figures each process keeps in its slot, in this order (see _figures): the scheduler's,
-# the cache's for the iteration, and the number of iterations the slot holds.
-_SAMPLES, _STALLS, _WAIT_US, _MEM_HITS, _MEM_MISSES, _DISK_HITS, _DISK_MISSES = range(7)
-_FETCHES, _FETCH_BYTES, _P50_US, _P99_US, _ITERATIONS = range(7, 12)
-_FIELDS = 12
-# Percentiles cannot be added: a slot keeps its process's latest, and the sum takes the worst.
-_LATEST = (_P50_US, _P99_US)
-
-# Epochs whose figures epoch_stats() keeps: the current one and the seven before it. Each
-# takes a row of the shared array: its epoch (plus one; 0 for none), then a slot per process.
-_EPOCHS = 8
-_ROW = 1 + _FIELDS * (_SLOTS + 1)
-
 # Items handed over per trip to the background loop: each trip costs a thread hop, which is
 # worth amortising over several ready items.
 _BATCH = 64
-
-
-class EpochTotals(msgspec.Struct):
-    """Figures summed over every process of this dataset (the main one and every DataLoader
-    worker): of one epoch (:meth:`StreamingDataset.epoch_stats`), or of every iteration
-    since the dataset was made (:meth:`StreamingDataset.totals`).
-
-    A process adds its figures when its iteration ends (its part of the epoch read to the
-    end, or the loop left).
-
-    Attributes:
-        samples: samples yielded.
-        stalls: samples a consumer had to wait for (not yet fetched when asked).
-        stall_fraction: ``stalls / samples``.
-        wait_seconds: total time consumers waited for samples not yet fetched.
-        epoch: the epoch, or None for the figures of every epoch.
-        processes: processes that ended an iteration (with workers, one per worker).
-        hit_rate: reads served by the memory or the disk tier, over all reads.
-        memory_hits, memory_misses: reads the processes' memory tiers answered, and those
-            they passed on to the disk tier (or, without one, to the store).
-        memory_hit_rate: ``memory_hits / (memory_hits + memory_misses)``.
-        disk_hits, disk_misses: reads the node's disk tier answered, and those it passed on
-            to the store (0 and 0 without ``cache_dir``).
-        disk_hit_rate: ``disk_hits / (disk_hits + disk_misses)``: of the reads that reached
-            the disk tier.
-        store_fetches: reads that reached the store (one per object, as reads of an
-            object already being fetched wait for that fetch).
-        store_bytes: bytes those reads fetched.
-        store_latency_p50, store_latency_p99: seconds; the worst over the processes that
-            fetched, each process's percentile taken over its most recent 4096 store reads.
-    """
-
-    samples: int
-    stalls: int
-    stall_fraction: float
-    wait_seconds: float
-    epoch: int | None = None
-    processes: int = 0
-    hit_rate: float = 0.0
-    memory_hits: int = 0
-    memory_misses: int = 0
-    memory_hit_rate: float = 0.0
-    disk_hits: int = 0
-    disk_misses: int = 0
-    disk_hit_rate: float = 0.0
-    store_fetches: int = 0
-    store_bytes: int = 0
-    store_latency_p50: float = 0.0
-    store_latency_p99: float = 0.0
-
-
-class DatasetStats(msgspec.Struct):
-    """Figures of this process's part of a :class:`StreamingDataset` epoch.
-
-    Attributes:
-        samples: samples yielded by this process.
-        prefetch: the scheduler's figures (waits, stalls, accuracy, depth).
-        cache: the cache's figures (hit rate per tier, store latency), or None before use.
-    """
-
-    samples: int
-    prefetch: PrefetchStats | None
-    cache: CacheStats | None
 
 
 def _check_keys(keys: object, url: str) -> list[str]:
@@ -269,14 +190,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         # The Position (_datastate) in shared memory: DataLoader workers (persistent ones
         # too) read the position the main process set, at each iteration.
         self._position = multiprocessing.RawArray("q", list(Position(0)))
-        # _FIELDS figures per process: one slot for the main process and one per DataLoader
-        # worker, each written by its own process only (no lock needed, and a lock could not
-        # cross into spawned workers), summed by totals(); and the same per epoch, for the
-        # last _EPOCHS epochs, summed by epoch_stats(). The main process clears an epoch's
-        # row when it makes the epoch current, before any worker reads it.
-        self._totals = multiprocessing.RawArray("q", _FIELDS * (_SLOTS + 1))
-        self._epochs = multiprocessing.RawArray("q", _EPOCHS * _ROW)
-        self._begin_epoch(0)
+        self._figures = EpochFigures()
+        self._figures.begin(0)
         self._yielded = 0
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
@@ -354,14 +269,8 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0 and <= {MAX_EPOCH}")
         if epoch != self._epoch:
             self._position[:] = list(Position(epoch))
-        self._begin_epoch(epoch)
+        self._figures.begin(epoch)
         self._worker_figures.fold()  # the last epoch's exited workers: their files go
-
-    def _begin_epoch(self, epoch: int) -> None:
-        # Made current again (set_epoch with the same epoch, a resume): its figures add up.
-        base = (epoch % _EPOCHS) * _ROW
-        if self._epochs[base] != epoch + 1:
-            self._epochs[base : base + _ROW] = [epoch + 1] + [0] * (_ROW - 1)
 
     @property
     def _epoch(self) -> int:
@@ -458,7 +367,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         position = read_state(state, self._facts())
         self._position[:] = list(position)
         self._yielded = 0
-        self._begin_epoch(position.epoch)
+        self._figures.begin(position.epoch)
 
     def _facts(self) -> Facts:
         rank, world = self._shard()
@@ -522,7 +431,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
                     yield self._decode(key, data) if self._decode else data  # type: ignore[misc]
         finally:
             self._last = stats = run_sync(session.close())
-            self._add_figures(epoch, _figures(stats, session.before))
+            info = get_worker_info()
+            worker = None if info is None else info.id
+            self._figures.add(epoch, worker, figures(stats, session.before))
             published.end(stats)
 
     def _check_loader_batch(self, caller: FrameType | None) -> None:
@@ -546,20 +457,6 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             UserWarning,
             stacklevel=2,
         )
-
-    def _add_figures(self, epoch: int, figures: list[int]) -> None:
-        info = get_worker_info()
-        slot = _FIELDS * (0 if info is None else 1 + info.id % _SLOTS)
-        base = (epoch % _EPOCHS) * _ROW
-        rows = [(self._totals, slot)]
-        if self._epochs[base] == epoch + 1:  # else the main process moved past this epoch
-            rows.append((self._epochs, base + 1 + slot))
-        for array, start in rows:
-            for field, value in enumerate(figures):
-                if field not in _LATEST:
-                    array[start + field] += value
-                elif figures[_FETCHES]:
-                    array[start + field] = value
 
     def _connection(self) -> _Connection:
         # One store and cache per process, kept across epochs (the memory tier stays warm
@@ -607,7 +504,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         """Figures of every iteration since the dataset was made, summed over all processes
         (DataLoader workers included): every epoch together. See :meth:`epoch_stats` for
         one epoch's."""
-        return _summed(list(self._totals), None)
+        return self._figures.totals()
 
     def epoch_stats(self, epoch: int | None = None) -> EpochTotals:
         """One epoch's figures (default: the current one), summed over all processes.
@@ -623,14 +520,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         epoch = self._epoch if epoch is None else epoch
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise InvalidArgument(f"epoch={epoch!r}: pass an int >= 0")
-        base = (epoch % _EPOCHS) * _ROW
-        if self._epochs[base] != epoch + 1:
-            raise InvalidArgument(
-                f"epoch={epoch}: no figures are kept for it; epoch_stats() keeps the last "
-                f"{_EPOCHS} epochs made current by set_epoch() or load_state_dict() (the "
-                f"current one is {self._epoch})"
-            )
-        return _summed(list(self._epochs[base + 1 : base + _ROW]), epoch)
+        return self._figures.epoch(epoch, self._epoch)
 
 
 def _loader_batch(caller: FrameType | None) -> int | None:
@@ -649,58 +539,6 @@ def _loader_batch(caller: FrameType | None) -> int | None:
         return 1  # batch_size=None: the DataLoader takes one sample at a time
     indices = caller.f_locals.get("possibly_batched_index")
     return len(indices) if isinstance(indices, Sized) else None
-
-
-def _figures(stats: DatasetStats, before: CacheStats) -> list[int]:
-    """One iteration's figures, as a slot keeps them (the cache's: since ``before``)."""
-    figures = [0] * _FIELDS
-    figures[_ITERATIONS] = 1
-    if stats.prefetch is not None:
-        figures[_SAMPLES] = stats.prefetch.items
-        figures[_STALLS] = stats.prefetch.stalls
-        figures[_WAIT_US] = round(stats.prefetch.wait_seconds * 1e6)
-    after = stats.cache
-    if after is not None:
-        figures[_MEM_HITS] = after.memory.hits - before.memory.hits
-        figures[_MEM_MISSES] = after.memory.misses - before.memory.misses
-        figures[_DISK_HITS] = after.disk.hits - before.disk.hits
-        figures[_DISK_MISSES] = after.disk.misses - before.disk.misses
-        figures[_FETCHES] = after.store.fetches - before.store.fetches
-        figures[_FETCH_BYTES] = after.store.bytes - before.store.bytes
-        figures[_P50_US] = round(after.store.latency_p50 * 1e6)
-        figures[_P99_US] = round(after.store.latency_p99 * 1e6)
-    return figures
-
-
-def _summed(figures: list[int], epoch: int | None) -> EpochTotals:
-    slots = [figures[start : start + _FIELDS] for start in range(0, len(figures), _FIELDS)]
-    total = [sum(slot[field] for slot in slots) for field in range(_FIELDS)]
-    for field in _LATEST:
-        total[field] = max(slot[field] for slot in slots)
-
-    def share(part: int, whole: int) -> float:
-        return part / whole if whole else 0.0
-
-    memory_reads = total[_MEM_HITS] + total[_MEM_MISSES]
-    return EpochTotals(
-        samples=total[_SAMPLES],
-        stalls=total[_STALLS],
-        stall_fraction=share(total[_STALLS], total[_SAMPLES]),
-        wait_seconds=total[_WAIT_US] / 1e6,
-        epoch=epoch,
-        processes=sum(1 for slot in slots if slot[_ITERATIONS]),
-        hit_rate=share(total[_MEM_HITS] + total[_DISK_HITS], memory_reads),
-        memory_hits=total[_MEM_HITS],
-        memory_misses=total[_MEM_MISSES],
-        memory_hit_rate=share(total[_MEM_HITS], memory_reads),
-        disk_hits=total[_DISK_HITS],
-        disk_misses=total[_DISK_MISSES],
-        disk_hit_rate=share(total[_DISK_HITS], total[_DISK_HITS] + total[_DISK_MISSES]),
-        store_fetches=total[_FETCHES],
-        store_bytes=total[_FETCH_BYTES],
-        store_latency_p50=total[_P50_US] / 1e6,
-        store_latency_p99=total[_P99_US] / 1e6,
-    )
 
 
 class _Connection:
