@@ -20,6 +20,8 @@ import asyncstore.torch
 from asyncstore.checkpoint import CheckpointInfo, inspect
 from asyncstore.torch.dcp import StorageWriter
 
+from .ranks import spawn_ranks, wait_ranks
+
 CHUNK = 65536
 TUNED: dict[str, Any] = {
     "compression": "zstd",
@@ -161,10 +163,6 @@ def _rank_objects(directory: Path) -> list[CheckpointInfo]:
     return [info(path) for path in sorted(directory.glob("__*.ckpt"))]
 
 
-# DCP names each rank object's entries by number: ``exclude`` of them all shows it reaches.
-DCP_TUNED = {**TUNED, "exclude": ["*"]}
-
-
 # In one process, with no process group: DCP says it saves in a single process.
 ONE_PROCESS = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -178,9 +176,8 @@ def test_dcp_storage_writer(tmp_path: Path) -> None:
         state_dict_saver.save(state(), storage_writer=StorageWriter(url, **options))
         return _rank_objects(url)
 
-    check(saved, entries=False)
-    excluded = saved(DCP_TUNED)
-    assert all(t.codec == "raw" for i in excluded for t in i.tensors)
+    # Each rank object names its entries by the state's names: exclude matches "skip".
+    check(saved, entries=True)
 
 
 @ONE_PROCESS
@@ -240,3 +237,56 @@ def test_cli_import(tmp_path: Path) -> None:
     raw = tmp_path / "raw"
     assert main(["import", str(src), str(raw), "--compression", "none"]) == 0
     assert all(t.codec == "raw" for i in _rank_objects(raw) for t in i.tensors)
+
+
+RANKS_SCRIPT = """
+    import sys
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import asyncstore.torch
+    from asyncstore.torch.dcp import StorageWriter
+
+    url, level = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data = torch.frombuffer(bytearray(open(sys.argv[3], "rb").read()), dtype=torch.uint8)
+    # Each rank's own values: every rank writes its objects.
+    state = {f"r{rank}.weight": data.clone(), f"r{rank}.bias": data.clone()}
+    options = dict(compression="zstd", level=level, chunk_bytes=65536, exclude=["*.bias"])
+    dcp.save(state, storage_writer=StorageWriter(url + "/plain", **options))
+    with asyncstore.torch.Checkpointer(url + "/run", **options) as ckpt:
+        ckpt.dcp_save(state, 7)
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_save_with_the_options_they_are_given(tmp_path: Path) -> None:
+    # Real gloo ranks, through the plugin's writer and a Checkpointer's dcp_save: level and
+    # exclude (by the state's names) reach every rank's object.
+    data = tmp_path / "data.bin"
+    data.write_bytes(text_like().numpy().tobytes())
+    stored: dict[int, dict[str, tuple[int, str]]] = {}
+    for level in (1, 19):
+        where = tmp_path / f"level{level}"
+        wait_ranks(spawn_ranks(RANKS_SCRIPT, 2, str(where), str(level), str(data)), timeout=240)
+        for directory in (where / "plain", where / "run" / "step-000000007.dcp"):
+            objects = _rank_objects(directory)
+            assert len(objects) == 2  # one per rank
+            for found in objects:
+                for t in found.tensors:
+                    stored.setdefault(level, {})[f"{directory.name}/{t.name}"] = (
+                        t.stored_bytes,
+                        t.codec,
+                    )
+    names = {name.rsplit("/", 1)[1] for name in stored[19]}
+    assert names == {"r0.weight", "r0.bias", "r1.weight", "r1.bias"}  # the state's names
+    for name, (size, codec) in stored[19].items():
+        if name.endswith(".bias"):
+            assert codec == "raw", name  # exclude, by the state's name
+        else:
+            assert codec != "raw", name
+            assert size < 0.95 * stored[1][name][0], name  # level

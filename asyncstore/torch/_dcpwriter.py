@@ -211,7 +211,7 @@ class StorageWriter(_StorageWriter):
                 ):
                     # A view: saved alone, not with the whole storage it lies in.
                     tensor = tensor.clone(memory_format=torch.contiguous_format)
-            entry = str(i)
+            entry = _entry_name(item.index.fqn, i, entries)
             entries[entry] = tensor
             size = tensor.numel() * tensor.element_size()
             results.append(WriteResult(item.index, size, (name, entry)))
@@ -290,3 +290,15 @@ class VersionWriter(StorageWriter):
             "be sent to another one: use dcp.async_save's default thread mode with it (or a "
             "plain StorageWriter, which has no retention)"
         )
+
+
+def _entry_name(fqn: str, position: int, taken: dict[str, Any]) -> str:
+    """The entry of a write item in its rank object: the state's name (so ``exclude``
+    patterns, messages and ``asyncstore inspect`` speak of ``model.layer.bias``), made
+    unique by the item's position where one rank writes several pieces of one name. The
+    reader finds entries through DCP's metadata, whatever their names (older saves used
+    the positions alone)."""
+    name = fqn if isinstance(fqn, str) and fqn else str(position)
+    while name in taken:
+        name = f"{name}#{position}"
+    return name
