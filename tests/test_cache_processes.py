@@ -336,7 +336,7 @@ async def test_read_only_disk_switches_the_tier_off(dataset: Path, tiny_fs: Path
 
 VICTIM = """
 import os, sys, time
-from asyncstore.cache import _disk
+from asyncstore.cache import _segments
 from asyncstore.cache._disk import DiskTier
 
 def stall(path, offset, buffers):
@@ -347,7 +347,7 @@ def stall(path, offset, buffers):
     print("WRITING", flush=True)
     time.sleep(3600)
 
-_disk._append = stall
+_segments.append = stall
 tier = DiskTier(sys.argv[1], int(sys.argv[2]), "file:///victim")
 print("READY", flush=True)
 tier.write_many([(f"v/{i}", bytes([i % 256]) * (int(sys.argv[3]) << 10), None) for i in range(8)])

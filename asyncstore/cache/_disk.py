@@ -61,7 +61,6 @@ from pathlib import Path
 import xxhash
 
 from .._concurrency import after_fork_in_child
-from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError
 from . import _index, _segments
 from ._index import INDEX_VERSION
@@ -419,7 +418,7 @@ class DiskTier:
             total += size
             results[position] = True
         for segment, buffers in parts.items():
-            _append(self.segment_path(segment), started[segment], buffers)
+            _segments.append(self.segment_path(segment), started[segment], buffers)
         db.executemany(
             "INSERT INTO entries VALUES (?, ?, ?, ?)",
             [(name, segment, offset, size) for name, (segment, offset, size, _) in rows.items()],
@@ -586,17 +585,3 @@ def _forget_locks() -> None:
 
 
 after_fork_in_child(_forget_locks)
-
-
-def _append(path: str, offset: int, buffers: list[bytes]) -> None:
-    # The batch's records in as few pwritev calls as IOV_MAX allows: no joined copy of the
-    # payloads, no file object.
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        views = [memoryview(b) for b in buffers]
-        while views:
-            done = os.pwritev(fd, views[:IOV_MAX], offset)
-            offset += done
-            advance(views, done)
-    finally:
-        os.close(fd)

@@ -32,6 +32,7 @@ from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores import Store
 from ..stores._keys import check_key, check_range
 from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
+from ._freshness import Freshness
 from ._memory import MemoryTier
 from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
@@ -140,21 +141,18 @@ class TieredCache(AsyncResource):
         self._disk_bytes = config.disk_bytes
         self._disk: DiskTier | None = None
         self._validate = config.validate
-        self._ttl = config.ttl
         self._block = config.block_bytes
         self._limiter = anyio.CapacityLimiter(DISK_THREADS)
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks = TaskSet(f"the cache over {store.url}")
         self._flushing = False
         self._generations: dict[str, int] = {}  # bumped by invalidate()
-        # validate="etag": ETag of each cached entry, and the last checked ETag per object.
-        self._entry_etags: dict[str, str | None] = {}
-        self._checked: dict[str, tuple[str | None, float]] = {}
         self._gets = 0
         self._mem_stats = TierStats()
         self._disk_stats = TierStats(enabled=disk_dir is not None)
         self._writes = DiskWrites(self._write_entries, self._background, self._disk_stats)
         self._store_stats = StoreFetchStats()
+        self._freshness = Freshness(store, config.validate, config.ttl, self._store_stats)
         self._latency = LatencyWindow()
 
     @property
@@ -265,7 +263,7 @@ class TieredCache(AsyncResource):
 
     async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
         whole = self._memory.peek(key)
-        if whole is not None and await self._fresh(key, key):
+        if whole is not None and await self._freshness.fresh(key, key, self._memory):
             part = whole[start:end]
             self._mem_stats.hits += 1
             self._mem_stats.bytes_served += len(part)
@@ -294,7 +292,7 @@ class TieredCache(AsyncResource):
         size = self._block
 
         async def load() -> tuple[bytes, str | None]:
-            etag = await self._current_etag(key)
+            etag = await self._freshness.current_etag(key)
             return await self._fetch_store(key, index * size, (index + 1) * size), etag
 
         # The block size is part of the key: processes sharing a disk tier may use others.
@@ -306,12 +304,12 @@ class TieredCache(AsyncResource):
         self, cache_key: str, key: str, load: _Loader, *, keep_empty: bool = True
     ) -> bytes:
         value = self._memory.get(cache_key)
-        if value is not None and not await self._fresh(cache_key, key):
+        if value is not None and not await self._freshness.fresh(cache_key, key, self._memory):
             value = None
         # Fetched, and still on its way to the disk tier: these bytes are in memory.
         queued = self._writes.unwritten.get(cache_key) if value is None else None
         if queued is not None and (
-            self._validate == "none" or queued[2] == await self._current_etag(key)
+            self._validate == "none" or queued[2] == await self._freshness.current_etag(key)
         ):
             value = self._promote(cache_key, queued[1])
         if value is not None:
@@ -359,8 +357,7 @@ class TieredCache(AsyncResource):
             return  # invalidated while fetching: serve the readers, keep nothing
         if not data and not keep_empty:
             return
-        if self._validate == "etag":
-            self._entry_etags[cache_key] = etag
+        self._freshness.fetched(cache_key, etag)
         if not self._memory.put(cache_key, data):
             self._mem_stats.bypassed += 1
         if from_store and self._disk is not None:
@@ -374,7 +371,7 @@ class TieredCache(AsyncResource):
             hit = await self._disk_read(disk, cache_key)
             if hit is not None:
                 payload, etag = hit
-                if self._validate == "none" or etag == await self._current_etag(key):
+                if self._validate == "none" or etag == await self._freshness.current_etag(key):
                     self._disk_stats.hits += 1
                     self._disk_stats.bytes_served += len(payload)
                     return payload, etag, False
@@ -392,7 +389,7 @@ class TieredCache(AsyncResource):
             info = reader.info
         self._record_fetch(started, len(data))
         etag = info.etag if info is not None else None
-        self._checked[key] = (etag, time.monotonic())
+        self._freshness.seen(key, etag)
         return data, etag
 
     async def _fetch_store(self, key: str, start: int | None, end: int | None) -> bytes:
@@ -405,30 +402,6 @@ class TieredCache(AsyncResource):
         self._latency.add(time.monotonic() - started)
         self._store_stats.fetches += 1
         self._store_stats.bytes += size
-
-    # -- consistency -------------------------------------------------------------------------
-
-    async def _fresh(self, cache_key: str, key: str) -> bool:
-        if self._validate == "none":
-            return True
-        current = await self._current_etag(key)
-        if self._entry_etags.get(cache_key) == current:
-            return True
-        self._memory.discard(cache_key)
-        self._entry_etags.pop(cache_key, None)
-        return False
-
-    async def _current_etag(self, key: str) -> str | None:
-        if self._validate == "none":
-            return None
-        checked = self._checked.get(key)
-        now = time.monotonic()
-        if checked is not None and now - checked[1] < self._ttl:
-            return checked[0]
-        info = await self._store.stat(key)
-        self._store_stats.revalidations += 1
-        self._checked[key] = (info.etag, now)
-        return info.etag
 
     # -- the disk tier -----------------------------------------------------------------------
 
@@ -564,8 +537,7 @@ class TieredCache(AsyncResource):
         doomed = [k for k in self._memory.keys() if k.split("\x00", 1)[0] == key]  # noqa: SIM118
         for cache_key in [key, *doomed]:
             self._memory.discard(cache_key)
-            self._entry_etags.pop(cache_key, None)
-        self._checked.pop(key, None)
+        self._freshness.forget(key, [key, *doomed])
         self._writes.forget(key)
         if self._disk is not None:
             await self._writes.settle()
@@ -586,8 +558,7 @@ class TieredCache(AsyncResource):
     async def clear(self) -> None:
         """Empty the memory and disk tiers (the disk tier for every process sharing it)."""
         self._memory.clear()
-        self._entry_etags.clear()
-        self._checked.clear()
+        self._freshness.clear()
         self._writes.clear()
         if self._disk is not None:
             await self._writes.settle()
