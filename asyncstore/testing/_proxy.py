@@ -3,7 +3,8 @@
 This module owns :class:`FaultProxy`: its fault settings and counters, its event loop thread,
 and the handling of each client connection (which requests to fail, stall, reset or forward,
 and relaying the server's responses back). How HTTP messages are framed on the wire lives in
-:mod:`asyncstore.testing._http`.
+:mod:`asyncstore.testing._http`; what one client connection holds, in
+:mod:`asyncstore.testing._connection`.
 """
 
 from __future__ import annotations
@@ -11,16 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import struct
 import threading
-from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from .._concurrency import TaskSet
+from ._connection import Connection, Downstream, Pending, ResetNow, rst
 from ._http import (
     CHUNK,
     CUTS,
@@ -36,68 +33,6 @@ from ._http import (
 )
 
 _log = logging.getLogger("asyncstore.testing")
-
-
-class _ResetNow(Exception):
-    """Raised by the response relay once the armed reset's byte budget is spent."""
-
-
-def _rst(writer: asyncio.StreamWriter) -> None:
-    """Close the connection with a TCP RST instead of an orderly FIN."""
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        with contextlib.suppress(OSError):
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    writer.transport.abort()
-
-
-class _Downstream:
-    """Writes to the client, raising :class:`_ResetNow` when an armed byte budget is spent."""
-
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
-        self.budget: int | None = None  # response bytes left before a reset; None: no reset
-
-    async def write(self, data: bytes) -> None:
-        if self.budget is not None:
-            data = data[: self.budget]
-            self.budget -= len(data)
-        if data:
-            self.writer.write(data)
-            await self.writer.drain()
-        if self.budget == 0:
-            raise _ResetNow
-
-
-@dataclass
-class _Pending:
-    """A forwarded request whose response has not been relayed completely yet."""
-
-    method: str
-    reset_after: int | None  # response bytes to pass before a reset; None: no reset
-    rewrite: tuple[str, str | None] | None = None  # middlebox (encoding, cut); None: relay
-
-
-class _Connection:
-    """State of one proxied client connection."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader = reader
-        self.writer = writer
-        self.upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self.pending: deque[_Pending] = deque()
-        self.body_done = True
-        self.stalled = False
-        self.handler: asyncio.Task[Any] | None = None  # the task serving this connection
-        self.relays = TaskSet("a FaultProxy connection")
-
-    def close(self) -> None:
-        self.writer.close()
-        if self.upstream is not None:
-            self.upstream[1].close()
-        self.relays.cancel()
-        if self.handler is not None and self.handler is not asyncio.current_task():
-            self.handler.cancel()
 
 
 class FaultProxy:
@@ -139,7 +74,7 @@ class FaultProxy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
-        self._conns: set[_Connection] = set()
+        self._conns: set[Connection] = set()
         self._middlebox: str | None = None  # the encoding of middlebox(); None: off
         self._cut: str | None = None
         self._middlebox_match: str | None = None
@@ -366,7 +301,7 @@ class FaultProxy:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(fn)
 
-    def _close_conns(self, which: Callable[[_Connection], bool]) -> None:
+    def _close_conns(self, which: Callable[[Connection], bool]) -> None:
         for conn in list(self._conns):
             if which(conn):
                 conn.close()
@@ -397,9 +332,9 @@ class FaultProxy:
             self.connections += 1
             refuse = self._refuse
         if refuse:
-            _rst(writer)
+            rst(writer)
             return
-        conn = _Connection(reader, writer)
+        conn = Connection(reader, writer)
         conn.handler = asyncio.current_task()
         self._conns.add(conn)
         try:
@@ -415,7 +350,7 @@ class FaultProxy:
             self._conns.discard(conn)
             conn.close()
 
-    async def _serve_requests(self, conn: _Connection) -> None:
+    async def _serve_requests(self, conn: Connection) -> None:
         while (head := await read_head(conn.reader)) is not None:
             # The client waits for "100 Continue" before sending a body, or may give up
             # waiting and send it anyway, so an unforwarded body has no reliable end.
@@ -470,7 +405,7 @@ class FaultProxy:
 
     async def _forward(
         self,
-        conn: _Connection,
+        conn: Connection,
         head: Head,
         reset_after: int | None,
         rewrite: tuple[str, str | None] | None = None,
@@ -507,19 +442,19 @@ class FaultProxy:
 
         # Registered before the head goes out, so the relay always finds it.
         method = head.start_line.split(" ", 1)[0].upper()
-        conn.pending.append(_Pending(method, reset_after, rewrite))
+        conn.pending.append(Pending(method, reset_after, rewrite))
         conn.body_done = False
         up_writer.write(head.raw)
         await up_writer.drain()
         await copy_body(conn.reader, write_up, head)
         conn.body_done = True
 
-    async def _relay_responses(self, conn: _Connection) -> None:
+    async def _relay_responses(self, conn: Connection) -> None:
         """Pass upstream responses to the client until either side closes or a reset is due."""
-        down = _Downstream(conn.writer)
+        down = Downstream(conn.writer)
         try:
             reset = await self._relay_loop(conn, down)
-        except _ResetNow:
+        except ResetNow:
             reset = True
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                 ValueError, IndexError, OSError) as exc:  # fmt: skip
@@ -531,12 +466,12 @@ class FaultProxy:
         else:
             conn.close()
 
-    async def _relay_loop(self, conn: _Connection, down: _Downstream) -> bool:
+    async def _relay_loop(self, conn: Connection, down: Downstream) -> bool:
         """Relay responses one by one; return whether the client connection must be reset."""
         assert conn.upstream is not None
         up_reader = conn.upstream[0]
         while (head := await read_head(up_reader)) is not None:
-            request = conn.pending[0] if conn.pending else _Pending("GET", None)
+            request = conn.pending[0] if conn.pending else Pending("GET", None)
             status = int(head.start_line.split(" ", 2)[1])
             if 100 <= status < 200:
                 # Interim responses pass outside the byte budget, so a reset with a small
@@ -569,7 +504,7 @@ class FaultProxy:
 
     async def _relay_rewritten(
         self,
-        conn: _Connection,
+        conn: Connection,
         up_reader: asyncio.StreamReader,
         head: Head,
         encoding: str,
@@ -600,12 +535,12 @@ class FaultProxy:
         conn.writer.write(response[:send])
         await conn.writer.drain()
 
-    async def _reset_client(self, conn: _Connection) -> None:
+    async def _reset_client(self, conn: Connection) -> None:
         # Flush asyncio's buffer first: an RST discards whatever has not reached the kernel.
         conn.writer.transport.set_write_buffer_limits(high=0)
         with contextlib.suppress(ConnectionError):
             await conn.writer.drain()
         with self._lock:
             self.resets += 1
-        _rst(conn.writer)
+        rst(conn.writer)
         conn.close()
