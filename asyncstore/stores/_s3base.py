@@ -25,7 +25,7 @@ from botocore import exceptions as bex
 from .._concurrency import TaskSet, forget_errors, shield, wait_shared, with_retries
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError, StoreUnavailable
 from . import _s3pool
-from ._base import BaseStore, BaseWriter
+from ._basestore import BaseStore
 from ._s3client import NoCredentials, no_credentials_message, resolved_endpoint
 from ._s3config import S3Config
 from ._s3fast import S3HTTPError, SignedGetter
@@ -37,6 +37,7 @@ from ._s3responses import (
     error_code,
     retryable,
 )
+from ._streams import BaseWriter
 
 __all__ = ["S3StoreBase"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from botocore import exceptions as bex
 
-from ._base import BaseReader, ObjectInfo
+from ._base import ObjectInfo
 from ._s3base import S3StoreBase
 from ._s3responses import (
     Precondition,
@@ -23,6 +23,7 @@ from ._s3responses import (
     parse_content_range,
     retryable,
 )
+from ._streams import BaseReader
 
 
 class S3Reader(BaseReader):

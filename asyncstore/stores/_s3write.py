@@ -21,9 +21,10 @@ import msgspec
 
 from .._concurrency import TaskSet, forget_errors, to_thread, wait_shared
 from ..errors import NotFound, StoreError
-from ._base import BaseWriter, ObjectInfo
+from ._base import ObjectInfo
 from ._s3base import S3StoreBase
 from ._s3responses import error_code, object_info
+from ._streams import BaseWriter
 
 _T = TypeVar("_T")
 _logger = logging.getLogger("asyncstore.s3")

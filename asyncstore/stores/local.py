@@ -24,9 +24,11 @@ import msgspec
 
 from .._concurrency import to_thread
 from ..errors import AsyncStoreError, NotFound, PermissionDenied, StoreError
-from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
+from ._base import ObjectInfo
+from ._basestore import BaseStore
 from ._keys import RESERVED_PREFIX, check_key, check_prefix
 from ._localwrite import TempFile, abandoned_names, remove_abandoned, write_all
+from ._streams import BaseReader, BaseWriter
 
 __all__ = ["LocalConfig", "LocalStore"]
 

@@ -16,7 +16,9 @@ import anyio.lowlevel
 import xxhash
 
 from ..errors import NotFound
-from ._base import BaseReader, BaseStore, BaseWriter, ObjectInfo
+from ._base import ObjectInfo
+from ._basestore import BaseStore
+from ._streams import BaseReader, BaseWriter
 
 __all__ = ["MemoryStore", "drop_memory_store"]
 

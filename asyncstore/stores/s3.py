@@ -27,7 +27,7 @@ import msgspec
 
 from .._concurrency import bounded_map
 from ..errors import NotFound
-from ._base import BaseReader, BaseWriter, ObjectInfo
+from ._base import ObjectInfo
 from ._keys import check_key, check_prefix
 from ._s3base import S3StoreBase
 from ._s3config import S3Config
@@ -35,6 +35,7 @@ from ._s3fast import S3HTTPError
 from ._s3read import S3Reader
 from ._s3responses import Precondition, ShortBody, check_body, object_info
 from ._s3write import S3Writer, payload
+from ._streams import BaseReader, BaseWriter
 
 __all__ = ["S3Config", "S3Store"]
 
