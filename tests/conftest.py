@@ -110,6 +110,36 @@ def pytest_report_header() -> str:
     return f"asyncstore {asyncstore.__version__}, {os.cpu_count()} CPUs"
 
 
+# Fixtures that start or reach the SeaweedFS server; names a test module imports when it
+# starts processes (ranks, CLI runs, workers).
+_S3_FIXTURES = frozenset({"seaweedfs", "proxy", "fresh_bucket"})
+_PROCESS_NAMES = ("spawn_ranks", "subprocess", "multiprocessing")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test by what it uses, so that ``pytest -m "not slow"`` is the inner loop:
+    ``s3`` (the server, by fixture or an ``"s3"`` parameter), ``processes`` (its module
+    starts processes) and ``slow`` (either, or a timeout above the default)."""
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        params = {str(v) for v in callspec.params.values()} if callspec is not None else set()
+        s3 = (
+            bool(_S3_FIXTURES & set(getattr(item, "fixturenames", ())))
+            or "s3" in params
+            or item.get_closest_marker("s3") is not None
+        )
+        module = getattr(item, "module", None)
+        processes = module is not None and any(n in vars(module) for n in _PROCESS_NAMES)
+        timeout = item.get_closest_marker("timeout")
+        long = timeout is not None and bool(timeout.args) and timeout.args[0] > 120
+        if s3 and item.get_closest_marker("s3") is None:
+            item.add_marker(pytest.mark.s3)
+        if processes:
+            item.add_marker(pytest.mark.processes)
+        if s3 or processes or long:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(params=["local", "s3"])
 def run_url(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any] | None]:
     """A checkpoint run's URL and store options: a local directory, then an S3 prefix."""

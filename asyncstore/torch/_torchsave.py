@@ -117,7 +117,7 @@ def save(
     or a URL (``"s3://bucket/run/step-100.ckpt"``, ``"file:///…"``). A path or URL is
     written atomically: it holds the old checkpoint (or nothing) until the new one is
     complete. Options (``compression``, ``level``, ``chunk_bytes``, ``staging_bytes``,
-    ``exclude``, ``metadata``, ``store_options``, ``priority``) as for
+    ``exclude``, ``metadata``, ``store_options``, ``priority``, ``format``) as for
     :func:`asyncstore.save`.
 
     Every keyword of ``torch.save`` is accepted: ``pickle_module`` (``dill``, say) pickles
