@@ -159,6 +159,33 @@ def test_streaming_dataset_figures(tmp_path: Path) -> None:
     assert [c for c in snap.caches if c.name.endswith(name)] == []
 
 
+async def test_each_component_is_listed_under_its_url(tmp_path: Path) -> None:
+    store = await filled_store(tmp_path / "data")
+    cache = asyncstore.TieredCache(store, memory_bytes=1 << 20)
+    async with store, cache, Checkpointer(tmp_path / "ckpt") as ckpt:
+        prefetcher = asyncstore.Prefetcher(cache, KEYS)
+        direct = asyncstore.Prefetcher(store, KEYS)
+        ds: StreamingDataset[bytes] = StreamingDataset(tmp_path / "data", keys=KEYS)
+        # A cache and a prefetcher work on the store they read, a dataset on its source.
+        assert cache.url == prefetcher.url == direct.url == store.url
+        assert ds.url == str(tmp_path / "data")
+        snap = asyncstore.metrics.snapshot()
+        listings: list[tuple[list[Component[Any]], Any]] = [
+            (snap.stores, store),
+            (snap.caches, cache),
+            (snap.prefetchers, prefetcher),
+            (snap.prefetchers, direct),
+            (snap.checkpointers, ckpt),
+            (snap.datasets, ds),
+        ]
+        for entries, component in listings:
+            listed = named(entries, component.url)
+            assert component.stats() in [entry.stats for entry in listed], component
+        async with prefetcher, direct:
+            pass
+        ds.close()
+
+
 class Broken(AsyncResource):
     def stats(self) -> object:
         raise RuntimeError("stats broke")

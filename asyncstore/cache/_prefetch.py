@@ -370,6 +370,11 @@ class Prefetcher(AsyncResource):
         """The prefetcher's options, validated."""
         return self._config
 
+    @property
+    def url(self) -> str:
+        """The URL of the store it reads from, directly or through a cache."""
+        return self._source.url
+
     def stats(self) -> PrefetchStats:
         """A snapshot of the counters."""
         p50, p95, p99 = self._waits.percentiles()

@@ -165,6 +165,11 @@ class TieredCache(AsyncResource):
         """The cache's options, validated."""
         return self._config
 
+    @property
+    def url(self) -> str:
+        """The URL of the store it reads through (that store's ``url``)."""
+        return self._store.url
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def _on_open(self) -> None:

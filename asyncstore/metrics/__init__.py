@@ -41,6 +41,7 @@ __all__ = [
     "PrefetchStats",
     "RequestStats",
     "StoreStats",
+    "WorkerFigures",
     "snapshot",
 ]
 
@@ -119,14 +120,8 @@ class Metrics(msgspec.Struct, frozen=True):
 def _name(component: Any) -> str:
     """What ``component`` works on, for labels and lists; never raises."""
     try:
-        # Stores and checkpointers say it; a cache and a prefetcher through what they read.
-        for path in (("url",), ("_store", "url"), ("_source", "url"), ("_source", "_store", "url")):
-            value = component
-            for attr in path:
-                value = getattr(value, attr, None)
-            if isinstance(value, str):
-                return _redact(value)
-        url = getattr(component, "_url", None)  # a dataset's source
+        # Every component says it: a cache and a prefetcher give their store's.
+        url = getattr(component, "url", None)
         if isinstance(url, str):
             return _redact(url)
     except Exception:  # a property that raises: the class name still says what it is
@@ -164,8 +159,6 @@ def snapshot() -> Metrics:
         kind: [] for kind in ("store", "cache", "prefetcher", "checkpointer", "dataset")
     }
     failures: list[Failure] = []
-    from ._workers import WorkerFigures  # here: it imports this module
-
     for component in _live():
         if isinstance(component, WorkerFigures):
             try:
@@ -203,3 +196,7 @@ def snapshot() -> Metrics:
         failures=failures,
         time=time.time(),
     )
+
+
+# Last: it imports Component and _name from this module.
+from ._workers import WorkerFigures  # noqa: E402

@@ -29,7 +29,7 @@ from .._loop import run_sync
 from .._resource import track
 from ..cache import CacheStats, Prefetcher, TieredCache
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
-from ..metrics._workers import WorkerFigures
+from ..metrics import WorkerFigures
 from ..stores import Store, open_store
 from ..stores._keys import check_key
 from ._datastate import (
@@ -271,6 +271,11 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             self._position[:] = list(Position(epoch))
         self._figures.begin(epoch)
         self._worker_figures.fold()  # the last epoch's exited workers: their files go
+
+    @property
+    def url(self) -> str:
+        """The source it reads: the store's URL, or the URL or local path given."""
+        return self._url
 
     @property
     def _epoch(self) -> int:
