@@ -114,6 +114,9 @@ def ours() -> set[str]:
 
 @pytest.fixture
 def no_leaks() -> Iterator[None]:
+    # Datasets earlier tests dropped in reference cycles go first: collected mid-test, their
+    # series would leave the scrape, and their directories the listing, within the test.
+    gc.collect()
     before = ours()
     yield
     gc.collect()
