@@ -162,7 +162,7 @@ class Uploader:
         self.local = local
         self.mirror = mirror
         self._packs = packs
-        self._slot = asyncio.Semaphore(1)
+        self._slot = asyncio.Lock()  # one upload at a time
         self.uploading: set[str] = set()  # keys being copied now
         self._running: dict[str, asyncio.Task[None]] = {}
         self._abandoned: set[str] = set()

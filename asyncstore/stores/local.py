@@ -12,6 +12,7 @@ writer; the temporary files themselves and their cleanup live in :mod:`._localwr
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import functools
 import os
@@ -19,7 +20,6 @@ import stat as statmod
 from collections.abc import AsyncIterator, Callable
 from typing import IO, Annotated, Any, TypeVar
 
-import anyio
 import msgspec
 
 from .._concurrency import to_thread
@@ -66,7 +66,7 @@ class LocalStore(BaseStore):
         super().__init__(f"file://{root}")
         self._root = root
         self._config = config or LocalConfig()
-        self._limiter = anyio.CapacityLimiter(self._config.max_inflight)
+        self._limiter = asyncio.Semaphore(self._config.max_inflight)
 
     @property
     def root(self) -> str:
