@@ -72,6 +72,7 @@ R = TypeVar("R")
 
 __all__ = [
     "ExitStep",
+    "abandon",
     "TaskSet",
     "after_fork_in_child",
     "at_exit",
@@ -175,6 +176,9 @@ async def to_thread(
             while not future.done():
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.wait([future])
+            # The caller is gone: the thread's error, if any, is nobody's to report (asyncio
+            # would log it as never retrieved, beside the error that cancelled the caller).
+            forget_errors([future])
             raise
 
 
@@ -249,6 +253,14 @@ class TaskSet:
             task.cancel()
         if tasks:
             await shield(asyncio.wait(tasks))
+
+
+async def abandon(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and return once it has ended, whatever it held released, even if
+    the caller is cancelled meanwhile; its error is not reported (the caller has its own)."""
+    task.cancel()
+    await shield(asyncio.wait([task]))
+    forget_errors([task])
 
 
 def forget_errors(tasks: Iterable[asyncio.Future[Any]]) -> None:

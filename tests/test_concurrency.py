@@ -388,3 +388,34 @@ def test_backoff_delay_is_full_jitter_under_the_cap() -> None:
     ]
     assert all(0.0 <= d < 0.5 for d in delays)
     assert all(0.0 <= _concurrency.backoff_delay(1, 0.1, 5.0) < 0.1 for _ in range(50))
+
+
+async def test_a_cancelled_callers_thread_error_is_not_reported_as_never_retrieved() -> None:
+    # A load cancels its other reads when one fails; their threads may fail too, after
+    # their callers are gone. Nobody can read those errors: asyncio must not log them.
+    import gc
+
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    release = threading.Event()
+
+    def fails_later() -> None:
+        release.wait(5)
+        raise OSError("the thread failed after its caller left")
+
+    try:
+        task = asyncio.ensure_future(to_thread(fails_later))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del task
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(previous)
+    assert [c.get("message") for c in reported] == []

@@ -24,7 +24,7 @@ import torch
 import xxhash
 import zstandard
 
-from .._concurrency import TaskSet, forget_errors, shield, to_thread, wait_shared
+from .._concurrency import TaskSet, abandon, forget_errors, shield, to_thread, wait_shared
 from ..errors import AsyncStoreError
 from ..stores._direct import ALIGN
 from . import _format as fmt
@@ -241,9 +241,7 @@ class SaveJob:
         except BaseException as exc:
             error = exc
             # The writer would wait for segments that will not come.
-            self._writer.cancel()
-            await shield(asyncio.wait([self._writer]))
-            forget_errors([self._writer])  # this error is the one reported
+            await abandon(self._writer)  # this error is the one reported
             self._running.discard(_WRITER)  # one cancelled before its first step never ended
             raise
         finally:

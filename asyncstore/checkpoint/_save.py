@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Literal, TypedDict
 
-from .._concurrency import forget_errors, shield
+from .._concurrency import abandon, shield
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig, build
 from ..errors import InvalidArgument
 from ..stores import Store
@@ -296,9 +296,7 @@ async def _start(
         # A cancellation can arrive after the snapshot is taken, while it lets go of its part
         # of the job. The caller gets no handle then, so nobody could wait for the writer or
         # stop it: abandon the save, and return only once it has released what it holds.
-        writer.cancel()
-        await shield(asyncio.wait([writer]))
-        forget_errors([writer])
+        await abandon(writer)
         raise
     return SaveHandle(writer, resolved.url)
 

@@ -38,7 +38,7 @@ import torch
 import torch.serialization
 import xxhash
 
-from .._concurrency import TaskSet, forget_errors, shield, to_thread
+from .._concurrency import TaskSet, abandon, forget_errors, shield, to_thread
 from ..errors import AsyncStoreError, InvalidArgument, StoreClosed, UnsafeCheckpoint
 from ._contexts import TorchContexts, entered
 from ._handle import SaveHandle, SaveResult
@@ -496,8 +496,6 @@ async def save_torch_format(
         try:
             await asyncio.wait([writer])
         except asyncio.CancelledError:
-            writer.cancel()
-            await shield(asyncio.wait([writer]))
-            forget_errors([writer])
+            await abandon(writer)
             raise
     return SaveHandle(writer, resolved.url)
