@@ -10,7 +10,7 @@ library calling ``torch.save`` inside it, keep PyTorch's functions. Prints one r
     .venv/bin/python benchmarks/referee_serialization.py            # the table
     .venv/bin/python benchmarks/referee_serialization.py --failing  # ours' failures, why
 
-The test module ``tests/test_referee_serialization.py`` runs the same harness (a subset,
+The test module ``tests/torch/test_referee_serialization.py`` runs the same harness (a subset,
 for the time CI has) and checks that the tests listed there pass with ours.
 """
 

@@ -1,0 +1,120 @@
+"""Plan-aware eviction: with the plan known, the tier matches the offline optimum."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncstore import InvalidArgument
+from asyncstore.cache import TieredCache
+from asyncstore.cache._memory import MemoryTier
+from asyncstore.cache._plan import PlanTier
+from asyncstore.stores import MemoryStore, drop_memory_store
+from asyncstore.testing import belady_hits
+
+from ..conftest import unique
+
+
+def run(tier: MemoryTier | PlanTier, keys: list[str]) -> int:
+    hits = 0
+    for key in keys:
+        if tier.get(key) is not None:
+            hits += 1
+        else:
+            tier.put(key, b"x" * 10)
+        assert tier.used <= tier.budget
+    return hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    keys=st.lists(st.sampled_from("abcdefghij"), min_size=0, max_size=80),
+    capacity=st.integers(0, 6),
+)
+def test_plan_tier_is_optimal_for_equal_sizes(keys: list[str], capacity: int) -> None:
+    tier = PlanTier(capacity * 10)
+    tier.extend(keys)
+    assert run(tier, keys) == belady_hits(keys, capacity)
+
+
+@settings(max_examples=100, deadline=None)
+@given(keys=st.lists(st.sampled_from("abcdefgh"), max_size=60), piece=st.integers(1, 10))
+def test_plan_given_in_pieces(keys: list[str], piece: int) -> None:
+    # Feeding the plan a window ahead (as the prefetcher does) never breaks the budget and
+    # never does worse than not knowing the plan beyond the window would allow.
+    tier = PlanTier(30)
+    hits = 0
+    fed = 0
+    for position, key in enumerate(keys):
+        while fed < len(keys) and fed < position + piece:
+            tier.extend([keys[fed]])
+            fed += 1
+        if tier.get(key) is not None:
+            hits += 1
+        else:
+            tier.put(key, b"x" * 10)
+        assert tier.used <= 30
+    assert hits <= belady_hits(keys, 3)
+
+
+def test_shuffled_epochs_beat_lru() -> None:
+    # A dataset twice the cache, three freshly shuffled epochs: LRU thrashes, the plan does not.
+    rng = random.Random(0)
+    dataset = [f"k{i}" for i in range(200)]
+    keys: list[str] = []
+    for _ in range(3):
+        rng.shuffle(dataset)
+        keys += dataset
+    planned = PlanTier(100 * 10)
+    planned.extend(keys)
+    plan_hits = run(planned, keys)
+    lru_hits = run(MemoryTier(100 * 10), keys)
+    optimum = belady_hits(keys, 100)
+    assert plan_hits >= 0.9 * optimum
+    assert plan_hits > 1.5 * lru_hits
+
+
+def test_pinned_entries_are_never_evicted() -> None:
+    tier = PlanTier(30)
+    tier.pin(["p"])
+    tier.extend(["p", "a", "b", "c", "d"])
+    tier.put("p", b"x" * 10)
+    for key in "abcd":
+        tier.put(key, b"x" * 10)
+    assert "p" in tier
+    assert tier.used <= 30
+
+
+def test_belady_reference() -> None:
+    # a b c a b c with room for 2: keep a and b; the optimum hits a and b once each.
+    assert belady_hits(list("abcabc"), 2) == 2
+    assert belady_hits(list("aaaa"), 1) == 3
+    assert belady_hits(list("abab"), 0) == 0
+
+
+@pytest.mark.anyio
+async def test_cache_with_a_plan() -> None:
+    store = MemoryStore(unique("plan"))
+    try:
+        for i in range(20):
+            await store.put(f"k{i:02d}", bytes([i]) * 100)
+        rng = random.Random(1)
+        order: list[str] = []
+        for _ in range(3):
+            epoch = [f"k{i:02d}" for i in range(20)]
+            rng.shuffle(epoch)
+            order += epoch
+        async with TieredCache(store, memory_bytes=1000, policy="plan") as cache:
+            cache.plan(order)
+            for key in order:
+                assert await cache.get(key) == bytes([int(key[1:])]) * 100
+            stats = cache.stats()
+        assert stats.memory.hits == belady_hits(order, 10)
+        async with TieredCache(store, memory_bytes=1000) as lru:
+            with pytest.raises(InvalidArgument, match="policy='plan'"):
+                lru.plan(order)
+    finally:
+        drop_memory_store(store.url.removeprefix("memory://"))
