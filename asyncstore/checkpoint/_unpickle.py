@@ -55,8 +55,6 @@ __all__ = [
     "custom_unpickler",
 ]
 
-_PyUnpickler: Any = pickle._Unpickler
-
 # The restricted unpickler's opcode table: the bounded one's, with the opcodes that call,
 # set state or insert replaced by the checked versions below. Every other opcode pushes a
 # constant, builds a tuple or list from what is already on the stack, or uses the memo.
@@ -232,7 +230,7 @@ class RestrictedUnpickler(BoundedUnpickler):
         inst = self.stack[-1]
         if type(inst) in self._trusted:
             self.append(state)
-            _PyUnpickler.load_build(self)
+            super().load_build()  # pickle's own: __setstate__, or the __dict__ update
         elif (
             type(inst) is collections.OrderedDict
             and type(state) is dict
