@@ -4,6 +4,7 @@
 from ._prefetch import Prefetcher, PrefetchStats
 from ._stats import CacheStats, StoreFetchStats, TierStats
 from ._tiered import TieredCache
+from ._usage import DiskUsage, clear_disk, disk_usage
 
 __all__ = [
     "TieredCache",
@@ -12,4 +13,8 @@ __all__ = [
     "StoreFetchStats",
     "Prefetcher",
     "PrefetchStats",
+    # a disk tier's directory, seen from outside (`asyncstore cache`)
+    "disk_usage",
+    "clear_disk",
+    "DiskUsage",
 ]

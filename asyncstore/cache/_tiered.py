@@ -29,8 +29,7 @@ from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._dirs import check_disk_dir
 from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
-from ..stores import Store
-from ..stores._keys import check_key, check_range
+from ..stores import Store, check_key, check_range
 from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
 from ._freshness import Freshness
 from ._memory import MemoryTier

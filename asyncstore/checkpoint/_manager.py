@@ -33,8 +33,7 @@ from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfi
 from .._dirs import make_dir
 from .._resource import AsyncResource
 from ..errors import AsyncStoreError, InvalidArgument, NotFound
-from ..stores import Store, open_store
-from ..stores._open import is_local, local_path
+from ..stores import Store, is_local, local_path, open_store
 from ._dcpversion import DistributedVersion
 from ._handle import SaveHandle, SaveResult
 from ._leases import LeaseHolder

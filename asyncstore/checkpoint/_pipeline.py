@@ -25,8 +25,8 @@ import xxhash
 import zstandard
 
 from .._concurrency import TaskSet, abandon, forget_errors, shield, to_thread, wait_shared
+from .._iov import ALIGN
 from ..errors import AsyncStoreError
-from ..stores._direct import ALIGN
 from . import _format as fmt
 from ._codec import ENCODERS, Codecs, Encoded, Known
 from ._handle import SaveResult

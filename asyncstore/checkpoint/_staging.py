@@ -22,8 +22,8 @@ import torch
 
 from .._concurrency import TaskSet, after_fork_in_child, shield, to_thread
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES
+from .._iov import ALIGN
 from ..errors import InvalidArgument
-from ..stores._direct import ALIGN
 from ._pickle import SavedStorage
 
 __all__ = [

@@ -10,9 +10,17 @@ from typing import IO, Any
 
 from .._concurrency import shield, to_thread
 from ..errors import AsyncStoreError, InvalidArgument, InvalidTarget, InvalidURL, NotFound
-from ..stores import CleansUpWrites, LocalFiles, PinnedReads, Store, Writer, open_store
-from ..stores._keys import check_key
-from ..stores._open import is_local, local_path, open_local
+from ..stores import (
+    CleansUpWrites,
+    LocalFiles,
+    PinnedReads,
+    Store,
+    Writer,
+    check_key,
+    is_local,
+    local_path,
+    open_store,
+)
 
 __all__ = ["Resolved", "Sink", "Source", "open_sink", "open_source", "resolve"]
 
@@ -178,7 +186,7 @@ def resolve(target: object, store_options: dict[str, Any] | None, *, writing: bo
                     f"checkpoint path {target!r} is a directory; name a file inside it"
                 )
             directory, key = os.path.split(path)
-            resolved = Resolved(open_local(directory, options), key, None)
+            resolved = Resolved(open_store(directory, **options), key, None)
             resolved.local_path = path
         else:
             head, _, key = target.rstrip("/").rpartition("/")

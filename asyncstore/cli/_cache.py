@@ -50,7 +50,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def run_stats(args: argparse.Namespace) -> int:
     """Print the figures; returns the exit status."""
-    from ..cache._usage import disk_usage  # the cache is imported by the verb that uses it
+    from ..cache import disk_usage  # the cache is imported by the verb that uses it
 
     usage = disk_usage(args.dir)
     rows = [
@@ -73,7 +73,7 @@ def run_stats(args: argparse.Namespace) -> int:
 
 def run_clear(args: argparse.Namespace) -> int:
     """Clear; returns the exit status."""
-    from ..cache._usage import clear_disk
+    from ..cache import clear_disk
 
     removed = clear_disk(args.dir)
     print(f"removed {removed} entries from {args.dir}")

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..stores import Store, open_store
-from ..stores._open import is_local, local_path
+from ..stores import Store, is_local, local_path, open_store
 from ._common import add_json, emit, progress
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import argparse
 import asyncio
 from typing import Any
 
-from ..stores._open import is_local
+from ..stores import is_local
 from ._common import add_json, emit
 from ._dcplocate import holds_dcp, need_step, version_url
 from ._runs import add_step, add_store_options, locate, parse_option, store_options

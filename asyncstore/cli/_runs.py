@@ -11,8 +11,7 @@ from typing import Any, Literal
 import msgspec
 
 from ..errors import IntegrityError, InvalidArgument, NotFound
-from ..stores import Store, open_store
-from ..stores._open import is_local, local_path, options_from_text
+from ..stores import Store, is_local, local_path, open_store, options_from_text
 
 __all__ = [
     "Located",

@@ -25,8 +25,8 @@ import msgspec
 
 from .._resource import live as _live
 from ..cache import CacheStats, PrefetchStats
-from ..stores._redact import redact as _redact
-from ..stores._stats import LATENCY_BUCKETS, RequestStats, StoreStats
+from ..stores import LATENCY_BUCKETS, RequestStats, StoreStats
+from ..stores import redact as _redact
 
 if typing.TYPE_CHECKING:
     from ..checkpoint._manager import CheckpointerStats

@@ -9,7 +9,7 @@ snapshot's, ``b``, unless ``b`` has seen nothing it could be taken over.
 from __future__ import annotations
 
 from ..cache import CacheStats, PrefetchStats, StoreFetchStats, TierStats
-from ..stores._stats import RequestStats, StoreStats
+from ..stores import RequestStats, StoreStats
 
 __all__ = ["add_cache", "add_prefetch", "add_store"]
 

@@ -41,7 +41,7 @@ import msgspec
 
 from .._resource import track
 from ..cache import CacheStats, PrefetchStats
-from ..stores._stats import StoreStats
+from ..stores import StoreStats
 from . import Component, _name
 from ._merge import add_cache, add_prefetch, add_store
 

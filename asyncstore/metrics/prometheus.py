@@ -350,7 +350,7 @@ class AsyncstoreCollector:
 
     def collect(self) -> Iterator[Any]:
         """The metric families of a fresh snapshot (see the module docstring)."""
-        from ..stores._stats import LATENCY_BUCKETS
+        from ..stores import LATENCY_BUCKETS
 
         yield from _families(snapshot()).build(LATENCY_BUCKETS)
 

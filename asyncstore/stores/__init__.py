@@ -9,8 +9,11 @@ import typing
 
 from ._base import DEFAULT_CHUNK_BYTES, ObjectInfo, Reader, Store, Writer
 from ._capabilities import CheckedUploads, CleansUpWrites, LocalFiles, PinnedReads
-from ._open import open_store
+from ._keys import MAX_KEY_BYTES, check_key, check_range
+from ._open import is_local, local_path, open_store, options_from_text
+from ._redact import redact
 from ._s3config import S3Config
+from ._stats import LATENCY_BUCKETS, RequestStats, StoreStats
 from .local import LocalConfig, LocalStore
 from .memory import MemoryStore, drop_memory_store
 
@@ -34,6 +37,19 @@ __all__ = [
     "S3Config",
     "drop_memory_store",
     "DEFAULT_CHUNK_BYTES",
+    # what a store reports (`Store.stats()`)
+    "StoreStats",
+    "RequestStats",
+    "LATENCY_BUCKETS",
+    # the rules every store applies, for a custom store or a caller checking early
+    "check_key",
+    "check_range",
+    "MAX_KEY_BYTES",
+    # URLs
+    "is_local",
+    "local_path",
+    "options_from_text",
+    "redact",
 ]
 
 

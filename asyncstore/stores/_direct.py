@@ -26,10 +26,10 @@ import errno
 import mmap
 import os
 
+from .._iov import ALIGN
+
 __all__ = ["ALIGN", "DirectAppender", "address_of"]
 
-# A multiple of every logical block size in use (512 and 4096 bytes).
-ALIGN = 4096
 # The bounce buffer: large enough that unaligned data leaves in few, large writes.
 _BOUNCE = 4 << 20
 # Below this, data is copied through the bounce buffer even when it lines up: not worth a

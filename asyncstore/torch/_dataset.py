@@ -30,8 +30,7 @@ from .._resource import track
 from ..cache import CacheStats, Prefetcher, TieredCache
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..metrics import WorkerFigures
-from ..stores import Store, open_store
-from ..stores._keys import check_key
+from ..stores import Store, check_key, open_store
 from ._datastate import (
     MAX_EPOCH,
     Facts,

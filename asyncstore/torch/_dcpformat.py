@@ -31,8 +31,7 @@ from .._loop import run_sync
 from ..checkpoint._target import put_whole
 from ..checkpoint._versions import dcp_prefix
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
-from ..stores import open_store
-from ..stores._open import is_local
+from ..stores import is_local, open_store
 from ._checkpoint import Checkpointer
 from ._torchload import load
 from .dcp import StorageReader, StorageWriter

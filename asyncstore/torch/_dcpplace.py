@@ -10,7 +10,7 @@ from typing import Any
 from torch.futures import Future
 
 from ..errors import AsyncStoreError, InvalidArgument
-from ..stores._open import is_local, local_path
+from ..stores import is_local, local_path
 
 __all__ = ["checked_url", "done", "openable", "place"]
 

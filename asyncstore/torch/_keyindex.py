@@ -41,7 +41,7 @@ import xxhash
 from .._concurrency import shield
 from .._flock import try_lock
 from ..errors import IntegrityError, InvalidArgument
-from ..stores._keys import MAX_KEY_BYTES
+from ..stores import MAX_KEY_BYTES
 
 __all__ = ["KeyIndex", "build_index", "write_index"]
 
