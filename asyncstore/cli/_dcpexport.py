@@ -34,10 +34,17 @@ def export_dcp(src: str, dst: str, options: dict[str, Any], dst_options: dict[st
         IntegrityError: it is damaged (a chunk, a rank object, ``.metadata``).
         UnsafeCheckpoint: a value in it needs a trusted load.
     """
-    from ..torch._dcpformat import write_torch_save
+    from ..torch import dcp_to_torch_save
 
     with progress(None, "exporting") as bar:
-        return write_torch_save(src, dst, options, dst_options, weights_only=True, bar=bar)
+        return dcp_to_torch_save(
+            src,
+            dst,
+            store_options=options,
+            file_store_options=dst_options,
+            weights_only=True,
+            progress=bar,
+        )
 
 
 def import_dcp(
@@ -60,9 +67,16 @@ def import_dcp(
         InvalidArgument: it holds no dict.
         UnsafeCheckpoint: it holds objects ``weights_only=True`` refuses.
     """
-    from ..torch._dcpformat import write_dcp
+    from ..torch import torch_save_to_dcp
 
     with progress(None, "importing") as bar:
-        return write_dcp(
-            src, dst, options, dst_options, step=step, weights_only=True, bar=bar, config=config
+        return torch_save_to_dcp(
+            src,
+            dst,
+            step=step,
+            store_options=dst_options,
+            file_store_options=options,
+            weights_only=True,
+            save_config=config,
+            progress=bar,
         )

@@ -87,22 +87,6 @@ def dst_options(args: argparse.Namespace, options: dict[str, Any]) -> dict[str, 
     return options if _kind(args.src) == _kind(args.dst) else {}
 
 
-async def _export_object(
-    src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any]
-) -> str:
-    from ..checkpoint._target import resolve
-    from ..torch._torchsave import _export
-
-    target = resolve(dst, dst_options, writing=True)
-    try:
-        assert target.store is not None
-        assert target.key is not None
-        await _export(src, (target.store, target.key), options)
-        return target.url
-    finally:
-        await target.aclose()
-
-
 def run(args: argparse.Namespace) -> int:
     """Export; returns the exit status."""
     options = store_options(args, args.src)
@@ -114,7 +98,9 @@ def run(args: argparse.Namespace) -> int:
         url = export_dcp(source, args.dst, options, chosen)
         kind = "torch.save of the whole state, as dcp_to_torch_save writes it"
     else:
-        url = asyncio.run(_export_object(source, args.dst, options, chosen))
+        from ..torch import export
+
+        url = export(source, args.dst, store_options=options, dst_store_options=chosen)
         kind = "torch.save"
     emit(args, {"src": source, "dst": url}, f"exported {source} to {url} ({kind})")
     return 0

@@ -36,7 +36,7 @@ from ._checkpoint import Checkpointer
 from ._torchload import load
 from .dcp import StorageReader, StorageWriter
 
-__all__ = ["dcp_to_torch_save", "torch_save_to_dcp", "write_dcp", "write_torch_save"]
+__all__ = ["dcp_to_torch_save", "torch_save_to_dcp"]
 
 # A Checkpointer opened by a conversion into a run keeps every version: deleting is left to
 # the run's own Checkpointer (its keep_last) or ``asyncstore prune``.
@@ -51,6 +51,7 @@ def dcp_to_torch_save(
     store_options: dict[str, Any] | None = None,
     file_store_options: dict[str, Any] | None = None,
     weights_only: bool = False,
+    progress: Any = None,
 ) -> str:
     """Write the distributed checkpoint at ``dcp_checkpoint_dir`` as one ``torch.save`` file
     at ``torch_save_path``: the whole state, every sharded tensor assembled at its full
@@ -75,6 +76,8 @@ def dcp_to_torch_save(
         weights_only: check every non-tensor value with torch's restricted unpickler (and
             its allow-list) first. ``False`` as DCP's: a crafted checkpoint can run code, so
             pass ``True`` for one you do not trust.
+        progress: a ``tqdm`` bar (or any object with ``reset(total=)`` and ``update(n)``)
+            that counts the tensor bytes read; ``asyncstore export`` passes one.
 
     Raises:
         NotFound: there is no complete distributed checkpoint there (or no distributed
@@ -86,8 +89,11 @@ def dcp_to_torch_save(
     src, options = _dcp_place(dcp_checkpoint_dir, step, store_options, "dcp_to_torch_save")
     dst = _file(torch_save_path, "dcp_to_torch_save", "torch_save_path")
     _flag(weights_only, "dcp_to_torch_save")
+    _bar(progress, "dcp_to_torch_save")
     file_options = _file_options(file_store_options, options, src, dst, "dcp_to_torch_save")
-    return write_torch_save(src, dst, options, file_options, weights_only=weights_only)
+    return _write_torch_save(
+        src, dst, options, file_options, weights_only=weights_only, bar=progress
+    )
 
 
 def torch_save_to_dcp(
@@ -98,6 +104,8 @@ def torch_save_to_dcp(
     store_options: dict[str, Any] | None = None,
     file_store_options: dict[str, Any] | None = None,
     weights_only: bool = False,
+    save_config: SaveConfig | None = None,
+    progress: Any = None,
 ) -> str:
     """Save the state dict in the ``torch.save`` file at ``torch_save_path`` as a distributed
     checkpoint in asyncstore's layout at ``dcp_checkpoint_dir``, as
@@ -124,6 +132,11 @@ def torch_save_to_dcp(
         weights_only: load the file with torch's restricted unpickler. ``False`` as DCP's
             (``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` forces it, as there): a crafted file can run
             code, so pass ``True`` for one you do not trust.
+        save_config: how every rank object is saved (compression, level, chunk size…);
+            the defaults when ``None``. With a Checkpointer, its own configuration applies.
+        progress: a ``tqdm`` bar (or any object with ``reset(total=)`` and ``update(n)``)
+            that counts the file's tensor bytes, once read and once written; ``asyncstore
+            import`` passes one.
 
     Raises:
         NotFound: there is no file at ``torch_save_path``.
@@ -133,19 +146,31 @@ def torch_save_to_dcp(
     what = "torch_save_to_dcp"
     src = _file(torch_save_path, what, "torch_save_path")
     _flag(weights_only, what)
+    _bar(progress, what)
+    if save_config is not None and not isinstance(save_config, SaveConfig):
+        raise InvalidArgument(
+            f"{what}: save_config={save_config!r}: pass an asyncstore.SaveConfig or None"
+        )
     run_url, options = _run_or_directory(dcp_checkpoint_dir, step, store_options, what)
     file_options = _file_options(file_store_options, options, run_url, src, what)
-    if isinstance(dcp_checkpoint_dir, Checkpointer):
-        assert step is not None
-        state = read_state(src, file_options, weights_only=weights_only)
-        writer = dcp_checkpoint_dir.dcp_writer(step)
-        _save(state, writer)
-        assert writer.url is not None
-        return writer.url
-    return write_dcp(src, run_url, file_options, options, step=step, weights_only=weights_only)
+    if isinstance(dcp_checkpoint_dir, Checkpointer) and save_config is not None:
+        raise InvalidArgument(
+            f"{what}: save_config={save_config!r} with a Checkpointer, which saves with its "
+            "own: pass save_config=None"
+        )
+    return _write_dcp(
+        src,
+        dcp_checkpoint_dir if isinstance(dcp_checkpoint_dir, Checkpointer) else run_url,
+        file_options,
+        options,
+        step=step,
+        weights_only=weights_only,
+        bar=progress,
+        config=save_config,
+    )
 
 
-def write_torch_save(
+def _write_torch_save(
     src: str,
     dst: str,
     options: dict[str, Any],
@@ -163,9 +188,9 @@ def write_torch_save(
     return run_sync(put_whole(dst, file_options, buffer.getbuffer()))
 
 
-def write_dcp(
+def _write_dcp(
     src: str,
-    dst: str,
+    dst: str | Checkpointer,
     file_options: dict[str, Any],
     options: dict[str, Any],
     *,
@@ -175,27 +200,34 @@ def write_dcp(
     config: SaveConfig | None = None,
 ) -> str:
     """:func:`torch_save_to_dcp` of the file ``src`` to the checkpoint directory ``dst``,
-    or with ``step`` to that version of the run at ``dst``, saved with ``config`` (the
-    defaults when ``None``); ``bar`` (a ``tqdm``, or ``None``) counts the file's tensor
-    bytes, once read and once written."""
+    or with ``step`` to that version of the run at ``dst`` (a URL, or a Checkpointer whose
+    own options apply), saved with ``config`` (the defaults when ``None``); ``bar`` (a
+    ``tqdm``, or ``None``) counts the file's tensor bytes, once read and once written."""
     state = read_state(src, file_options, weights_only=weights_only)
     if bar is not None:
         bar.reset(total=2 * _tensor_bytes(state))
         bar.update(_tensor_bytes(state))
-    if step is None:
+    if isinstance(dst, Checkpointer):
+        assert step is not None
+        url = _save_version(dst, step, state)
+    elif step is None:
         _save(state, StorageWriter(dst, store_options=options, save_config=config))
         url = run_sync(_store_url(dst, options))
     else:
         with Checkpointer(
             dst, store_options=options, keep_last=_KEEP_ALL, save_config=config
         ) as ckpt:
-            version = ckpt.dcp_writer(step)
-            _save(state, version)
-            assert version.url is not None
-            url = version.url
+            url = _save_version(ckpt, step, state)
     if bar is not None:
         bar.update(_tensor_bytes(state))
     return url
+
+
+def _save_version(ckpt: Checkpointer, step: int, state: dict[str, Any]) -> str:
+    writer = ckpt.dcp_writer(step)
+    _save(state, writer)
+    assert writer.url is not None
+    return writer.url
 
 
 def read_state(src: str, file_options: dict[str, Any], *, weights_only: bool) -> dict[str, Any]:
@@ -323,6 +355,16 @@ def _file(where: object, what: str, name: str) -> str:
             "'s3://bucket/export/model.pt'"
         )
     return where
+
+
+def _bar(progress: object, what: str) -> None:
+    if progress is not None and not (
+        callable(getattr(progress, "reset", None)) and callable(getattr(progress, "update", None))
+    ):
+        raise InvalidArgument(
+            f"{what}: progress={progress!r}: pass a tqdm bar (an object with reset(total=) "
+            "and update(n)) or None"
+        )
 
 
 def _flag(weights_only: object, what: str) -> None:

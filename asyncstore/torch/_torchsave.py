@@ -194,7 +194,13 @@ def pending(handle: SaveHandle) -> concurrent.futures.Future[SaveResult]:
     return future
 
 
-def export(src: Any, dst: Any, *, store_options: dict[str, Any] | None = None) -> str:
+def export(
+    src: Any,
+    dst: Any,
+    *,
+    store_options: dict[str, Any] | None = None,
+    dst_store_options: dict[str, Any] | None = None,
+) -> str:
     """Write the asyncstore checkpoint at ``src`` as a plain ``torch.save`` file at ``dst``,
     for code that reads checkpoints with ``torch.load`` (which cannot read asyncstore's
     format). Returns the URL written.
@@ -210,6 +216,8 @@ def export(src: Any, dst: Any, *, store_options: dict[str, Any] | None = None) -
         dst: where the ``torch.save`` file goes: a local path, a URL
             (``"s3://bucket/export/model.pt"``) or a ``(store, key)`` pair.
         store_options: options for ``open_store`` when ``src`` or ``dst`` is a URL or path.
+        dst_store_options: options for ``dst``'s store when they differ from ``src``'s (an
+            S3 checkpoint exported to another endpoint); ``store_options`` by default.
 
     Raises:
         NotFound: there is nothing at ``src``.
@@ -217,10 +225,15 @@ def export(src: Any, dst: Any, *, store_options: dict[str, Any] | None = None) -
         UnsafeCheckpoint: it holds objects ``weights_only=True`` refuses.
         InvalidArgument: ``dst`` is a file object, or another bad argument.
     """
-    return run_sync(_export(src, dst, store_options))
+    return run_sync(_export(src, dst, store_options, dst_store_options))
 
 
-async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> str:
+async def _export(
+    src: Any,
+    dst: Any,
+    store_options: dict[str, Any] | None,
+    dst_store_options: dict[str, Any] | None,
+) -> str:
     if not isinstance(dst, str | os.PathLike | tuple):
         raise InvalidArgument(
             f"export(dst={dst!r}): pass a path, a URL or a (store, key) pair; the file is "
@@ -232,4 +245,5 @@ async def _export(src: Any, dst: Any, store_options: dict[str, Any] | None) -> s
     buffer = io.BytesIO()
     await to_thread(torch.save, state, buffer)
     del state
-    return await _put_whole(dst, store_options, buffer.getbuffer())
+    written = store_options if dst_store_options is None else dst_store_options
+    return await _put_whole(dst, written, buffer.getbuffer())

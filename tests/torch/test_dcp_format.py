@@ -6,6 +6,7 @@ commit fails, and bad arguments; all in processes without a process group, as DC
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 from pathlib import Path
@@ -16,8 +17,10 @@ import torch
 from torch.distributed.checkpoint import state_dict_loader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save as torch_dcp_to_torch_save
 
+import asyncstore
 import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreUnavailable, UnsafeCheckpoint
+from asyncstore.checkpoint import inspect
 from asyncstore.cli import main
 from asyncstore.testing import FaultProxy, SeaweedFS
 from asyncstore.torch import Checkpointer, dcp_to_torch_save, torch_save_to_dcp
@@ -200,6 +203,78 @@ def test_weights_only_and_bad_arguments(tmp_path: Path) -> None:
             torch_save_to_dcp(source, run)
         with pytest.raises(InvalidArgument, match="has its own"):
             dcp_to_torch_save(run, tmp_path / "x.pt", step=1, store_options={})
+
+
+class Bar:
+    """What a progress bar is to the conversions: ``reset(total=)`` and ``update(n)``."""
+
+    def __init__(self) -> None:
+        self.total: int | None = None
+        self.done = 0
+
+    def reset(self, total: int | None = None) -> None:
+        self.total, self.done = total, 0
+
+    def update(self, n: int) -> None:
+        self.done += n
+
+
+def test_progress_and_save_config(tmp_path: Path) -> None:
+    source = tmp_path / "model.pt"
+    words = b"".join(b"token%d " % (i % 50) for i in range(40960))
+    state = {"w": torch.ones(1024), "text": torch.frombuffer(bytearray(words), dtype=torch.uint8)}
+    tensor_bytes = 4096 + len(words)
+    torch.save(state, source)
+
+    bar = Bar()
+    raw = torch_save_to_dcp(
+        source, tmp_path / "raw", save_config=asyncstore.SaveConfig(compression=None), progress=bar
+    )
+    assert (bar.total, bar.done) == (2 * tensor_bytes, 2 * tensor_bytes)  # read, then written
+    packed = torch_save_to_dcp(
+        source, tmp_path / "packed", save_config=asyncstore.SaveConfig(compression="zstd")
+    )
+
+    def codecs(url: str) -> set[str]:
+        ranks = sorted(Path(url.removeprefix("file://")).glob("__*.ckpt"))
+        assert ranks
+        return {t.codec for r in ranks for t in asyncio.run(inspect(str(r))).tensors}
+
+    assert codecs(raw) == {"raw"}
+    assert "zstd" in codecs(packed)
+
+    bar = Bar()
+    dcp_to_torch_save(raw, tmp_path / "out.pt", progress=bar)
+    assert (bar.total, bar.done) == (tensor_bytes, tensor_bytes)
+    assert_same(torch.load(tmp_path / "out.pt", weights_only=True), state)
+
+    with pytest.raises(InvalidArgument, match="progress=<object"):
+        dcp_to_torch_save(raw, tmp_path / "x.pt", progress=object())
+    with pytest.raises(InvalidArgument, match="save_config=\\{'level': 3\\}"):
+        torch_save_to_dcp(source, tmp_path / "y", save_config={"level": 3})  # type: ignore[arg-type]
+    with (
+        Checkpointer(tmp_path / "run") as run,
+        pytest.raises(InvalidArgument, match="saves with its own"),
+    ):
+        torch_save_to_dcp(source, run, step=1, save_config=asyncstore.SaveConfig())
+    assert not (tmp_path / "x.pt").exists()
+    assert not (tmp_path / "y").exists()
+
+
+def test_export_to_a_store_of_its_own_options(tmp_path: Path) -> None:
+    src = tmp_path / "state.ckpt"
+    state = {"w": torch.arange(6.0)}
+    asyncstore.torch.save(state, src)
+    # dst_store_options are the destination's: a bad one there is refused by name, while
+    # store_options alone (the source's) are taken for both.
+    with pytest.raises(InvalidArgument, match="max_inflight"):
+        asyncstore.torch.export(src, tmp_path / "x.pt", dst_store_options={"max_inflight": 0})
+    assert not (tmp_path / "x.pt").exists()
+    url = asyncstore.torch.export(
+        src, tmp_path / "out.pt", store_options={"fsync": True}, dst_store_options={"fsync": False}
+    )
+    assert url.endswith("/out.pt")
+    assert_same(torch.load(tmp_path / "out.pt", weights_only=True), state)
 
 
 def test_the_import_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
