@@ -6,8 +6,9 @@ command line that only lists a run's versions never needs.
 
 from __future__ import annotations
 
-import importlib
 import typing
+
+from .._lazy import lazy_names as _lazy_names
 
 if typing.TYPE_CHECKING:
     from ._format import FORMAT_VERSION, Manifest
@@ -42,35 +43,24 @@ __all__ = [
 
 # Where each name lives.
 _HOMES = {
-    "FORMAT_VERSION": "_format",
-    "Manifest": "_format",
-    "SaveHandle": "_handle",
-    "SaveResult": "_handle",
-    "CheckpointInfo": "_inspect",
-    "TensorInfo": "_inspect",
-    "inspect": "_inspect",
-    "load": "_load",
-    "read_manifest": "_load",
-    "verify": "_load",
-    "Checkpointer": "_manager",
-    "CheckpointerConfig": "_manager",
-    "CheckpointerStats": "_manager",
-    "VerifyReport": "_manager",
-    "Version": "_versions",
-    "save": "_save",
-    "StagingPool": "_staging",
-    "staging_pool": "_staging",
+    "FORMAT_VERSION": "._format",
+    "Manifest": "._format",
+    "SaveHandle": "._handle",
+    "SaveResult": "._handle",
+    "CheckpointInfo": "._inspect",
+    "TensorInfo": "._inspect",
+    "inspect": "._inspect",
+    "load": "._load",
+    "read_manifest": "._load",
+    "verify": "._load",
+    "Checkpointer": "._manager",
+    "CheckpointerConfig": "._manager",
+    "CheckpointerStats": "._manager",
+    "VerifyReport": "._manager",
+    "Version": "._versions",
+    "save": "._save",
+    "StagingPool": "._staging",
+    "staging_pool": "._staging",
 }
 
-
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module 'asyncstore.checkpoint' has no attribute {name!r}")
-    value: object = getattr(importlib.import_module(f".{home}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = _lazy_names(__name__, _HOMES)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -50,6 +51,7 @@ __all__ = [
     "Footer",
     "encode_footer",
     "decode_footer",
+    "read_manifest_of",
     "encode_manifest",
     "decode_manifest",
     "shuffle",
@@ -185,6 +187,27 @@ _manifest_decoder = msgspec.msgpack.Decoder(Manifest)
 def encode_manifest(manifest: Manifest) -> bytes:
     """The manifest as msgpack; the footer records its offset, length and checksum."""
     return msgspec.msgpack.encode(manifest)
+
+
+async def read_manifest_of(
+    read: Callable[[int, int], Awaitable[bytes]], size: int, where: str
+) -> Manifest | None:
+    """The verified manifest of the checkpoint object of ``size`` bytes that ``read(start,
+    end)`` reads: its footer, then its manifest (two ranged reads); ``None`` for an object
+    that is not an asyncstore checkpoint.
+
+    Raises:
+        IntegrityError: the footer points past the object's end, or the manifest is damaged.
+    """
+    if size < FOOTER_SIZE:
+        return None
+    footer = decode_footer(await read(size - FOOTER_SIZE, size), where)
+    if footer is None:
+        return None
+    end = footer.manifest_offset + footer.manifest_length
+    if end > size - FOOTER_SIZE:
+        raise IntegrityError(f"{where}: the footer points past the end of the checkpoint")
+    return decode_manifest(await read(footer.manifest_offset, end), footer, where)
 
 
 def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:

@@ -94,7 +94,7 @@ async def _copy(
     # ``keys``: (key in source, name in target). With ``manifest``, a differential
     # version's packs go first (those the destination lacks, by identity), the version
     # last: the destination never holds a version whose packs are not all there.
-    from ..checkpoint._mirror import copy_object, copy_version
+    from ..checkpoint.engine import copy_object, copy_version
 
     packs = [] if manifest is None else manifest.packs
     sizes = [(await source.stat(key)).size for key in [*packs, *(k for k, _ in keys)]]
@@ -147,7 +147,7 @@ async def _cp(
     src: str, dst: str, options: dict[str, Any], dst_options: dict[str, Any], step: int | None
 ) -> Copied:
     from ..checkpoint import Checkpointer
-    from ..checkpoint._distributed import METADATA
+    from ..checkpoint.engine import METADATA
 
     located = await locate(src, options, step)
     if located.kind == "object":

@@ -11,8 +11,8 @@ from typing import Any, Literal
 import msgspec
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..checkpoint._distributed import RANK_OBJECT, objects_named, read_metadata
-from ..checkpoint._load import read_manifest
+from ..checkpoint import read_manifest
+from ..checkpoint.engine import RANK_OBJECT, objects_named, read_metadata
 from ..errors import IntegrityError, NotFound
 from ..stores import open_store
 

@@ -5,6 +5,7 @@ checkpoint object from a run of versions (a URL holding ``step-*.ckpt`` or ``ste
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 from typing import Any, Literal
 
@@ -115,7 +116,7 @@ async def versions_of(url: str, options: dict[str, Any]) -> list[Any]:
     what ``Checkpointer(url).versions()`` gives, read from the listing and each version's
     footer and manifest alone, without importing torch (which takes seconds) and without
     creating the run's directory."""
-    from ..checkpoint._versions import in_save_order, saved_of, scan
+    from ..checkpoint.engine import in_save_order, saved_of, scan
 
     described = []
     async with open_store(url, **options) as store:
@@ -150,18 +151,13 @@ async def read_manifest(store: Store, key: str, size: int) -> Any:
         IntegrityError: it is not an asyncstore checkpoint, or it is damaged.
         NotFound: it is not there.
     """
-    from ..checkpoint import _format as fmt
+    from ..checkpoint.engine import read_manifest_of
 
     where = f"{store.url}/{key}"
-    footer = None
-    if size >= fmt.FOOTER_SIZE:
-        footer = fmt.decode_footer(await store.get(key, size - fmt.FOOTER_SIZE, size), where)
-    if footer is None:
+    manifest = await read_manifest_of(functools.partial(store.get, key), size, where)
+    if manifest is None:
         raise IntegrityError(f"{where} is not an asyncstore checkpoint")
-    end = footer.manifest_offset + footer.manifest_length
-    if end > size - fmt.FOOTER_SIZE:
-        raise IntegrityError(f"{where}: the footer points past the end of the checkpoint")
-    return fmt.decode_manifest(await store.get(key, footer.manifest_offset, end), footer, where)
+    return manifest
 
 
 async def locate(url: str, options: dict[str, Any], step: int | None) -> Located:

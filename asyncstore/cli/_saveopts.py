@@ -43,7 +43,7 @@ def save_config(args: argparse.Namespace, command: str) -> SaveConfig:
     Raises:
         InvalidArgument: a value out of bounds, named with ``command``.
     """
-    from ..checkpoint._save import build_save_config
+    from ..checkpoint.engine import build_save_config
 
     given = {
         "compression": args.compression,

@@ -28,8 +28,7 @@ from torch.futures import Future
 
 from .._config import SaveConfig
 from .._loop import run_sync
-from ..checkpoint._target import put_whole
-from ..checkpoint._versions import dcp_prefix
+from ..checkpoint.engine import dcp_prefix, put_whole
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import is_local, open_store
 from ._checkpoint import Checkpointer

@@ -17,7 +17,7 @@ from torch.futures import Future
 
 from .._loop import run_sync
 from ..checkpoint import load as _load
-from ..checkpoint._distributed import METADATA, RANK_OBJECT, read_metadata
+from ..checkpoint.engine import METADATA, RANK_OBJECT, read_metadata
 from ..errors import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint, _plain
 from ..stores import Store, open_store
 from ._dcpguard import refuse_untaken, untaken_optimizer_entries

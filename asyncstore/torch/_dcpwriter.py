@@ -1,6 +1,6 @@
 """The plugin's ``StorageWriter`` (see :mod:`asyncstore.torch.dcp`): each rank writes its
 items as one checkpoint object through the checkpoint engine, with one
-:class:`~asyncstore.checkpoint._config.SaveConfig` for every rank's object; the
+:class:`~asyncstore.SaveConfig` for every rank's object; the
 coordinator commits the checkpoint by writing DCP's metadata last."""
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from torch.futures import Future
 from .._config import DEFAULT_SAVE_CHUNK_BYTES, DEFAULT_STAGING_BYTES, SaveConfig
 from .._loop import run_sync
 from ..checkpoint import SaveResult
-from ..checkpoint._dcpversion import DistributedVersion
-from ..checkpoint._distributed import (
+from ..checkpoint.engine import (
     METADATA,
+    DistributedVersion,
+    build_save_config,
     encode_metadata,
     is_rank_object,
     objects_named,
     read_metadata,
+    start_save,
 )
-from ..checkpoint._save import build_save_config, start_save
 from ..errors import AsyncStoreError, IntegrityError, InvalidArgument, NotFound
 from ..stores import open_store
 from ._dcpguard import refuse_shared_group

@@ -12,8 +12,7 @@ import torch.utils.serialization
 
 from .._loop import run_sync
 from ..checkpoint import load as _load
-from ..checkpoint._contexts import capture, carrying
-from ..checkpoint._load import LoadOptions
+from ..checkpoint.engine import LoadOptions, capture, carrying
 from ..errors import InvalidArgument
 
 __all__ = ["load", "TorchLoadOptions"]

@@ -19,9 +19,8 @@ from ..checkpoint import SaveHandle, SaveResult
 from ..checkpoint import load as _load
 from ..checkpoint import read_manifest as _read_manifest
 from ..checkpoint import save as _save
-from ..checkpoint._contexts import capture, carrying
-from ..checkpoint._save import SaveOptions
-from ..checkpoint._target import put_whole as _put_whole
+from ..checkpoint.engine import SaveOptions, capture, carrying
+from ..checkpoint.engine import put_whole as _put_whole
 from ..errors import (
     InvalidArgument,
     NotFound,

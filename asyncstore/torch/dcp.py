@@ -12,7 +12,7 @@ Layout under ``url``: ``__<rank>_<save>.ckpt`` per rank that wrote items (``<sav
 every save, so saving again into the same directory never writes over the checkpoint there
 until the new one is complete), and ``.metadata`` (DCP's ``Metadata``, checksummed; read back
 with an unpickler that builds only DCP's metadata classes). See
-:mod:`asyncstore.checkpoint._distributed`.
+:mod:`asyncstore.checkpoint.engine`.
 
 With a :class:`asyncstore.torch.Checkpointer`, ``ckpt.dcp_writer(step)`` and
 ``ckpt.dcp_reader()`` save and load numbered versions of a run, with its retention.
