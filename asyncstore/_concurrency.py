@@ -16,9 +16,12 @@ module, so that each of these questions has one answer:
 - **Background tasks**: a component owns a :class:`TaskSet`; ``spawn`` starts a named task
   and tracks it, ``aclose`` cancels and awaits every task still running, and the failure of
   a task nobody awaits is logged once.
-- **Bounded fan-out** (ranges of one object, keys to warm, pieces to read):
+- **Bounded fan-out** (ranges of one object, blocks of a range, spans of chunks to read):
   ``await bounded_map(func, items, limit=n)`` runs ``func`` on every item, ``n`` at a time,
   and returns the results in order; the first failure stops the rest and is raised as it is.
+  A stream too long to hold (millions of keys to warm from a generator or an async
+  iterator, samples to upload): ``await bounded_each(func, items, limit=n)``, which takes
+  an item only when there is room for its call and drops the results.
 - **Retries** (a request, an upload to a mirror): ``await with_retries(call, ...)``, one
   policy for the whole library: exponential backoff with full jitter, a bounded number of
   attempts, a predicate saying what is worth retrying.
@@ -28,7 +31,8 @@ module, so that each of these questions has one answer:
 One choice per primitive, so that a reader never wonders why two look alike:
 
 ==========================  ==================================================================
-tasks                       asyncio, started only here (:class:`TaskSet`, :func:`bounded_map`)
+tasks                       asyncio, started only here (:class:`TaskSet`, :func:`bounded_map`,
+                            :func:`bounded_each`)
 lock, semaphore, event,     ``asyncio.Lock``, ``asyncio.Semaphore``, ``asyncio.Event``,
 queue                       ``asyncio.Queue``: no pass through the event loop when free, and
                             they hold under both kinds of cancellation described below
@@ -62,7 +66,7 @@ import logging
 import os
 import random
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from .errors import StoreClosed
@@ -77,6 +81,7 @@ __all__ = [
     "after_fork_in_child",
     "at_exit",
     "backoff_delay",
+    "bounded_each",
     "bounded_map",
     "forget_errors",
     "shield",
@@ -297,11 +302,71 @@ async def bounded_map(
         for index, item in pending:  # shared: each item goes to one worker
             results[index] = await func(item)
 
+    await _all_or_nothing(worker, min(limit, len(todo)), name)
+    return results
+
+
+class _End:
+    """What a stream's next item is once there is none."""
+
+
+_END = _End()
+
+
+async def bounded_each(
+    func: Callable[[T], Awaitable[object]],
+    items: Iterable[T] | AsyncIterable[T],
+    *,
+    limit: int,
+    name: str = "each",
+) -> int:
+    """Await ``func(item)`` for every item of a stream, at most ``limit`` calls at once, and
+    return how many calls there were (all of them succeeded, when it returns).
+
+    For streams too long to hold (a million keys to warm, a dataset to upload): an item is
+    taken from ``items`` (an iterable, a generator or an async iterable) only when a call
+    has ended and left room for it, and results are dropped, so memory holds ``limit``
+    items whatever the stream's length. Failure and cancellation as in :func:`bounded_map`;
+    an error raised by ``items`` itself stops the calls the same way.
+    """
+    count = 0
+    take: Callable[[], Awaitable[T | _End]]
+    if isinstance(items, AsyncIterable):
+        stream = aiter(items)
+        turn = asyncio.Lock()  # an async generator takes one caller at a time
+
+        async def take_async() -> T | _End:
+            async with turn:
+                return await anext(stream, _END)
+
+        take = take_async
+    else:
+        lazy = iter(items)
+
+        async def take_sync() -> T | _End:
+            return next(lazy, _END)
+
+        take = take_sync
+
+    async def worker() -> None:
+        nonlocal count
+        while not isinstance(item := await take(), _End):
+            await func(item)
+            count += 1
+
+    if limit <= 1:
+        await worker()  # nothing to overlap: no task to start
+    else:
+        await _all_or_nothing(worker, limit, name)
+    return count
+
+
+async def _all_or_nothing(
+    worker: Callable[[], Coroutine[Any, Any, None]], count: int, name: str
+) -> None:
+    # Runs count copies of worker as tasks until all end or one fails; see bounded_map.
     loop = asyncio.get_running_loop()
-    workers = [
-        loop.create_task(worker(), name=f"asyncstore: {name} {n}")
-        for n in range(min(limit, len(todo)))
-    ]
+    workers = [loop.create_task(worker(), name=f"asyncstore: {name} {n}") for n in range(count)]
     try:
         done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
     finally:
@@ -312,7 +377,6 @@ async def bounded_map(
     for task in workers:  # in start order: the first to fail among those done first
         if task in done and not task.cancelled() and task.exception() is not None:
             raise task.exception()  # type: ignore[misc]
-    return results
 
 
 # -- retries -----------------------------------------------------------------------------------

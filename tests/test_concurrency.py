@@ -1,5 +1,5 @@
-"""The concurrency primitives every module uses: shield, wait_shared, to_thread, TaskSet, and
-the fork and exit hooks."""
+"""The concurrency primitives every module uses: shield, wait_shared, to_thread, TaskSet,
+bounded_map and bounded_each, with_retries, and the fork and exit hooks."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -281,7 +282,14 @@ async def test_bounded_map_keeps_order_and_its_bound() -> None:
     assert await _concurrency.bounded_map(work, [], limit=4) == []
 
 
-async def test_bounded_map_raises_the_first_failure_and_stops_the_rest() -> None:
+@pytest.mark.parametrize(
+    ("fan_out", "kind"),
+    [("bounded_map", "generator"), ("bounded_each", "generator"), ("bounded_each", "async")],
+)
+async def test_a_fan_out_raises_the_first_failure_and_stops_the_rest(
+    fan_out: str, kind: str
+) -> None:
+    taken: list[int] = []
     started: list[int] = []
     cancelled: list[int] = []
 
@@ -296,13 +304,17 @@ async def test_bounded_map_raises_the_first_failure_and_stops_the_rest() -> None
             raise
         return n
 
+    items = _stream(kind, list(range(10)), taken)
     with pytest.raises(ValueError, match="piece 1 failed"):  # itself, not in a group
-        await _concurrency.bounded_map(work, range(10), limit=3)
+        await getattr(_concurrency, fan_out)(work, items, limit=3)
     assert sorted(started) == [0, 1, 2]  # items 3 to 9 never started
     assert sorted(cancelled) == [0, 2]
+    if fan_out == "bounded_each":
+        assert taken == [0, 1, 2]  # a stream is not read past what was started
 
 
-async def test_bounded_map_cancelled_leaves_nothing_running() -> None:
+@pytest.mark.parametrize("fan_out", ["bounded_map", "bounded_each"])
+async def test_a_cancelled_fan_out_leaves_nothing_running(fan_out: str) -> None:
     ended: list[int] = []
 
     async def work(n: int) -> int:
@@ -312,12 +324,124 @@ async def test_bounded_map_cancelled_leaves_nothing_running() -> None:
             ended.append(n)
         return n
 
-    task = asyncio.ensure_future(_concurrency.bounded_map(work, range(5), limit=5))
+    task = asyncio.ensure_future(getattr(_concurrency, fan_out)(work, range(1000), limit=5))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert sorted(ended) == [0, 1, 2, 3, 4]  # all ended before the caller saw the cancel
+
+
+# -- bounded_each --------------------------------------------------------------------------------
+
+
+def _stream(kind: str, items: list[int], taken: list[int]) -> Any:
+    """``items`` as a generator or an async generator, noting each item as it is taken."""
+
+    def plain() -> Iterator[int]:
+        for item in items:
+            taken.append(item)
+            yield item
+
+    async def lazy() -> AsyncIterator[int]:
+        for item in items:
+            await asyncio.sleep(0)  # an async source waits between items
+            taken.append(item)
+            yield item
+
+    return plain() if kind == "generator" else lazy()  # or "async"
+
+
+@pytest.mark.parametrize("kind", ["generator", "async"])
+async def test_bounded_each_takes_items_only_when_there_is_room(kind: str) -> None:
+    taken: list[int] = []
+    finished: list[int] = []
+    running = peak = ahead = 0
+
+    async def work(n: int) -> str:
+        nonlocal running, peak, ahead
+        running += 1
+        peak = max(peak, running)
+        ahead = max(ahead, len(taken) - len(finished))  # taken, not yet done
+        await asyncio.sleep(0.001 * (n % 3))
+        running -= 1
+        finished.append(n)
+        return "dropped"
+
+    count = await _concurrency.bounded_each(work, _stream(kind, list(range(50)), taken), limit=4)
+    assert count == 50
+    assert sorted(finished) == list(range(50))
+    assert taken == list(range(50))  # in the stream's order, each once
+    assert peak == 4
+    assert ahead == 4  # never more items held than calls allowed at once
+    assert await _concurrency.bounded_each(work, [], limit=4) == 0
+
+
+async def test_bounded_each_with_a_limit_of_one_runs_in_order() -> None:
+    order: list[int] = []
+
+    async def work(n: int) -> None:
+        await asyncio.sleep(0.001 * (3 - n))
+        order.append(n)
+
+    assert await _concurrency.bounded_each(work, iter(range(4)), limit=1) == 4
+    assert order == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("kind", ["generator", "async"])
+async def test_bounded_each_raises_the_streams_own_error(kind: str) -> None:
+    cancelled: list[int] = []
+
+    def plain() -> Iterator[int]:
+        yield 0
+        raise OSError("the listing broke")
+
+    async def lazy() -> AsyncIterator[int]:
+        yield 0
+        raise OSError("the listing broke")
+
+    async def work(n: int) -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.append(n)
+            raise
+
+    items = plain() if kind == "generator" else lazy()
+    with pytest.raises(OSError, match="the listing broke"):
+        await _concurrency.bounded_each(work, items, limit=4)
+    assert cancelled == [0]  # the call running when the stream failed was stopped
+
+
+@pytest.mark.parametrize("fan_out", ["bounded_map", "bounded_each"])
+def test_calls_failing_as_they_are_stopped_are_not_reported_as_never_retrieved(
+    fan_out: str,
+) -> None:
+    # One piece fails; the others, cancelled, fail in their cleanup (a connection that
+    # breaks as it is dropped). One error is raised; asyncio must not log the others, which
+    # it would do when their tasks are collected (at the latest as the loop closes).
+    import gc
+
+    reported: list[dict[str, Any]] = []
+
+    async def work(n: int) -> None:
+        if n == 0:
+            await asyncio.sleep(0.01)
+            raise ValueError("piece 0 failed")
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise OSError(f"piece {n} broke as it was stopped") from None
+
+    async def job() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _loop, context: reported.append(context))
+        with pytest.raises(ValueError, match="piece 0 failed"):
+            await getattr(_concurrency, fan_out)(work, range(6), limit=6)
+
+    asyncio.run(job())
+    gc.collect()
+    assert [c.get("message") for c in reported] == []
 
 
 # -- with_retries --------------------------------------------------------------------------------

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 
-import anyio
-
+from .._concurrency import bounded_each
 from ..errors import InvalidArgument
 
 
@@ -44,7 +43,8 @@ async def read_all(
     max_inflight: int,
 ) -> int:
     """Call ``get`` on every key of ``keys``, ``max_inflight`` at a time; returns how many
-    succeeded (all of them, when it returns).
+    succeeded (all of them, when it returns). Keys are taken only as reads end: a million
+    keys never become a million tasks, nor a list.
 
     Raises:
         InvalidArgument: ``max_inflight`` is not a positive int.
@@ -52,35 +52,4 @@ async def read_all(
             ``ExceptionGroup``; the calls still running are cancelled.
     """
     _positive("max_inflight", max_inflight, unit="reads at once, for example 32")
-    limit = anyio.Semaphore(max_inflight)
-    count = 0
-    errors: list[Exception] = []
-
-    async def one(key: str) -> None:
-        nonlocal count
-        try:
-            async with limit:
-                await get(key)
-        except Exception as exc:
-            # Caught here, not by the task group: the caller gets the store's error.
-            errors.append(exc)
-            tg.cancel_scope.cancel()
-        else:
-            count += 1
-
-    async with anyio.create_task_group() as tg:
-        # Wait for a free slot before starting each task: a million keys must not become a
-        # million tasks at once.
-        if isinstance(keys, AsyncIterable):
-            async for key in keys:
-                await limit.acquire()
-                limit.release()
-                tg.start_soon(one, key)
-        else:
-            for key in keys:
-                await limit.acquire()
-                limit.release()
-                tg.start_soon(one, key)
-    if errors:
-        raise errors[0]
-    return count
+    return await bounded_each(get, keys, limit=max_inflight, name="warm")
