@@ -25,7 +25,6 @@ Dead leases are removed by the collector; their keys are then ordinary leftovers
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import secrets
@@ -35,6 +34,7 @@ from collections.abc import Iterable
 
 import msgspec
 
+from .._concurrency import TaskSet
 from ..errors import AsyncStoreError, NotFound
 from ..stores import Store
 
@@ -120,7 +120,7 @@ class LeaseHolder:
         self.key = f"{LEASES}{secrets.token_hex(8)}.lease"
         self._keys = sorted(set(keys))
         self._ttl = ttl
-        self._renewing: asyncio.Task[None] | None = None
+        self._renewing = TaskSet(f"the lease {self.key}")
 
     def _encode(self) -> bytes:
         pid = os.getpid()
@@ -132,7 +132,9 @@ class LeaseHolder:
         Interrupted (cancelled, failed), the lease may be there or not: :meth:`release`
         removes it either way."""
         await self.store.put(self.key, self._encode())
-        self._renewing = asyncio.create_task(self._renew(), name=f"renew {self.key}")
+        # Detached: nobody awaits the renewals; a failure the loop does not expect is logged
+        # when it happens, and release() cancels and awaits the loop.
+        self._renewing.spawn(self._renew(), name=f"renew {self.key}", detached=True)
         return self
 
     async def _renew(self) -> None:
@@ -148,11 +150,7 @@ class LeaseHolder:
     async def release(self) -> None:
         """Stop renewing and remove the lease (once what it names is committed, or will
         never be). A failure to remove it is logged: the lease dies with its process."""
-        if self._renewing is not None:
-            self._renewing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewing
-            self._renewing = None
+        await self._renewing.aclose()
         try:
             # Bounded: a stalled store must not hold up the close of a checkpointer. A
             # lease left behind dies with its process (or expires, seen from elsewhere).
