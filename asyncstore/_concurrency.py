@@ -367,12 +367,14 @@ async def _all_or_nothing(
     # Runs count copies of worker as tasks until all end or one fails; see bounded_map.
     loop = asyncio.get_running_loop()
     workers = [loop.create_task(worker(), name=f"asyncstore: {name} {n}") for n in range(count)]
+    done: set[asyncio.Task[None]] = set()
     try:
         done, _ = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
     finally:
-        for task in workers:
-            task.cancel()  # nothing to do for those done; on the caller's cancellation, all
-        await shield(asyncio.wait(workers))
+        if len(done) < len(workers):  # a failure, or the caller's cancellation: stop the rest
+            for task in workers:
+                task.cancel()
+            await shield(asyncio.wait(workers))
     forget_errors(workers)  # one error is raised; the others are the same failure, or cancels
     for task in workers:  # in start order: the first to fail among those done first
         if task in done and not task.cancelled() and task.exception() is not None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import sqlite3
@@ -22,9 +23,7 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Literal, TypeVar
 
-import anyio
-
-from .._concurrency import TaskSet, shield, to_thread, wait_shared
+from .._concurrency import TaskSet, bounded_map, shield, to_thread, wait_shared
 from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._dirs import check_disk_dir
 from .._resource import AsyncResource
@@ -141,7 +140,7 @@ class TieredCache(AsyncResource):
         self._disk: DiskTier | None = None
         self._validate = config.validate
         self._block = config.block_bytes
-        self._limiter = anyio.CapacityLimiter(DISK_THREADS)
+        self._limiter = asyncio.Semaphore(DISK_THREADS)
         self._inflight: dict[str, asyncio.Future[bytes]] = {}
         self._tasks = TaskSet(f"the cache over {store.url}")
         self._flushing = False
@@ -283,7 +282,8 @@ class TieredCache(AsyncResource):
         index, window = first, 1
         while last is None or index <= last:
             stop = index + window if last is None else min(index + window, last + 1)
-            got = await asyncio.gather(*(self._get_block(key, i) for i in range(index, stop)))
+            get_block = functools.partial(self._get_block, key)
+            got = await bounded_map(get_block, range(index, stop), limit=window, name="block")
             blocks.extend(got)
             if any(len(block) < size for block in got):
                 break

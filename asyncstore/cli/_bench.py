@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from .._concurrency import bounded_map
 from ..errors import IntegrityError
 from ..stores import Store, open_store
 from ._common import add_json, emit, table
@@ -63,7 +64,7 @@ async def _phase(
             index += inflight
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker(i) for i in range(inflight)))
+    await bounded_map(worker, range(inflight), limit=inflight, name="bench")
     elapsed = max(time.perf_counter() - started, 1e-9)
     return Result(
         op, size, inflight, done, round(elapsed, 3), done / elapsed, done * size / elapsed / 1e6

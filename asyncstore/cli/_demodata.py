@@ -8,7 +8,6 @@ sample adds its own noise to it.
 
 from __future__ import annotations
 
-import asyncio
 import struct
 import time
 from functools import cache
@@ -16,6 +15,7 @@ from functools import cache
 import msgspec
 import torch
 
+from .._concurrency import bounded_each
 from ..errors import InvalidArgument, NotFound
 from ..stores import Store
 from ._common import progress
@@ -98,15 +98,13 @@ async def upload(store: Store, samples: int) -> DatasetInfo:
     else:
         return DatasetInfo(url, samples, total, uploaded=False, upload_seconds=0.0)
     started = time.perf_counter()
-    limit = asyncio.Semaphore(_INFLIGHT)
     with progress(total, f"uploading {samples} samples") as bar:
 
         async def put(index: int) -> None:
             data = sample(index)  # made here: a few ms each, no whole dataset in memory
-            async with limit:
-                await store.put(prefix + _key(index), data)
+            await store.put(prefix + _key(index), data)
             bar.update(len(data))
 
-        await asyncio.gather(*(put(i) for i in range(samples)))
+        await bounded_each(put, range(samples), limit=_INFLIGHT, name="upload")
     await store.put(marker, b"%d\n" % samples)
     return DatasetInfo(url, samples, total, True, time.perf_counter() - started)
