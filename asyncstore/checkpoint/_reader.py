@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 import xxhash
 
-from .._concurrency import TaskSet, to_thread
+from .._concurrency import bounded_map, to_thread
 from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
 from . import _format as fmt
@@ -40,17 +40,7 @@ _READS = 8
 
 async def manifest_of(source: Source) -> fmt.Manifest | None:
     """The checkpoint's manifest, verified; None for an object that is not one of ours."""
-    size = await source.size()
-    if size < fmt.FOOTER_SIZE:
-        return None
-    footer = fmt.decode_footer(await source.read(size - fmt.FOOTER_SIZE, size), source.url)
-    if footer is None:
-        return None
-    end = footer.manifest_offset + footer.manifest_length
-    if end > size - fmt.FOOTER_SIZE:
-        raise IntegrityError(f"{source.url}: the footer points past the end of the checkpoint")
-    data = await source.read(footer.manifest_offset, end)
-    return fmt.decode_manifest(data, footer, source.url)
+    return await fmt.read_manifest_of(source.read, await source.size(), source.url)
 
 
 # Consecutive chunks are read together up to this many bytes: one read and one thread hop
@@ -285,14 +275,9 @@ class ChunkReader:
             else:
                 spans.append([target])
         # All or nothing: the first error cancels the rest and is raised as it is. Each
-        # read ends only once its thread is done with the tensors it fills.
-        tasks = TaskSet(f"the load of {self.source.url}")
-        try:
-            await asyncio.gather(
-                *(tasks.spawn(self._span(span), name="read chunks") for span in spans)
-            )
-        finally:
-            await tasks.aclose()
+        # read ends only once its thread is done with the tensors it fills. Every span
+        # starts at once: the reader's semaphores bound the reads and the memory.
+        await bounded_map(self._span, spans, limit=len(spans), name="read chunks")
 
     async def structure(self) -> bytes:
         chunk = self.manifest.structure
