@@ -11,7 +11,6 @@ Messages name the URL and key and say what to do next; they never contain creden
 from __future__ import annotations
 
 import pickle
-import re
 
 __all__ = [
     "AsyncStoreError",
@@ -148,12 +147,3 @@ class Unpicklable(UnsafeCheckpoint, pickle.PicklingError, AttributeError, TypeEr
     raise for such objects, so their callers' handlers keep working. The pickling error is
     its ``__cause__``.
     """
-
-
-_TERMINAL_CODES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-
-
-def _plain(error: BaseException | str) -> str:
-    """``error``'s message without terminal escape codes (torch's messages bold some
-    words), on one line: fit to quote inside an asyncstore error or a log line."""
-    return " ".join(_TERMINAL_CODES.sub("", str(error)).split())

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from .._concurrency import to_thread
-from ..errors import InvalidArgument, UnsafeCheckpoint, _plain
+from .._text import plain
+from ..errors import InvalidArgument, UnsafeCheckpoint
 from ._contexts import NONE, TorchContexts, entered
 from ._target import FileSource, Source
 
@@ -114,6 +115,6 @@ async def load_torch_file(
     except pickle.UnpicklingError as exc:
         if weights_only and ("weights_only" in str(exc) or "Weights only" in str(exc)):
             raise UnsafeCheckpoint(
-                f"{src.url} is a torch.save file that weights_only=True refuses: {_plain(exc)}"
+                f"{src.url} is a torch.save file that weights_only=True refuses: {plain(exc)}"
             ) from exc
         raise

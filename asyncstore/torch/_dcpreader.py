@@ -16,9 +16,10 @@ from torch.distributed.checkpoint.storage import StorageReader as _StorageReader
 from torch.futures import Future
 
 from .._loop import run_sync
+from .._text import plain
 from ..checkpoint import load as _load
 from ..checkpoint.engine import METADATA, RANK_OBJECT, read_metadata
-from ..errors import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint, _plain
+from ..errors import IntegrityError, InvalidArgument, NotFound, UnsafeCheckpoint
 from ..stores import Store, open_store
 from ._dcpguard import refuse_untaken, untaken_optimizer_entries
 from ._dcpplace import checked_url, done, openable, place
@@ -277,7 +278,7 @@ class StorageReader(_StorageReader):
             except Exception as exc:
                 raise UnsafeCheckpoint(
                     f"{self.url}/{name}: {fqn!r} holds a value that weights_only=True "
-                    f"refuses ({_plain(exc)}); allow its classes with "
+                    f"refuses ({plain(exc)}); allow its classes with "
                     "torch.serialization.add_safe_globals, or load a checkpoint you trust "
                     "with StorageReader(..., weights_only=False) and without "
                     "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
