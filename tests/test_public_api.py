@@ -134,3 +134,34 @@ def test_no_private_module_is_imported_by_name_from_outside() -> None:
     # Every subpackage imports cleanly on its own (no import cycles hidden by import order).
     for name in MODULES:
         importlib.import_module(name)
+
+
+def _package_of(module: str) -> str:
+    """The package a module belongs to, for the seams: ``asyncstore.cache`` for
+    ``asyncstore.cache._tiered``; a top-level module (``asyncstore._loop``,
+    ``asyncstore.errors``) is a package of its own."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_package_imports_a_private_name_of_another() -> None:
+    # import-linter's contracts see modules; this sees names: `from ..errors import _plain`
+    # reaches into errors as much as importing a private module would.
+    reaches = []
+    for name in MODULES:
+        module = importlib.import_module(name)
+        package = module.__name__ if hasattr(module, "__path__") else module.__package__
+        tree = ast.parse(inspect.getsource(module))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom) or not node.level:
+                continue
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            source = ".".join(base + ([node.module] if node.module else []))
+            if _package_of(source) == _package_of(name):
+                continue
+            reaches += [
+                f"{name}: from {source} import {alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_")
+            ]
+    assert not reaches, "private names imported across packages:\n" + "\n".join(reaches)
