@@ -151,6 +151,7 @@ def test_no_package_imports_a_private_name_of_another() -> None:
     for name in MODULES:
         module = importlib.import_module(name)
         package = module.__name__ if hasattr(module, "__path__") else module.__package__
+        assert package is not None
         tree = ast.parse(inspect.getsource(module))
         for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom) or not node.level:
