@@ -20,6 +20,8 @@ import asyncstore
 import asyncstore.torch
 from asyncstore import InvalidArgument
 
+from .helpers import assert_same
+
 pytestmark = pytest.mark.anyio
 
 
@@ -228,25 +230,6 @@ async def test_a_save_cancelled_through_its_handle_or_awaited_says_nothing(
 # -- back to torch.save: export ----------------------------------------------------------------
 
 
-def _assert_same(expected: Any, got: Any) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(got, torch.Tensor)
-        assert got.dtype == expected.dtype
-        assert torch.equal(got, expected)
-    elif isinstance(expected, dict):
-        assert isinstance(got, dict)
-        assert list(got) == list(expected)
-        for key in expected:
-            _assert_same(expected[key], got[key])
-    elif isinstance(expected, list | tuple):
-        assert type(got) is type(expected)
-        assert len(got) == len(expected)
-        for a, b in zip(expected, got, strict=True):
-            _assert_same(a, b)
-    else:
-        assert got == expected
-
-
 def _nested_state() -> dict[str, Any]:
     model, optim = _trained()
     return {"model": model.state_dict(), "optim": optim.state_dict(), "step": 9, "tag": "x"}
@@ -261,7 +244,7 @@ def test_export_writes_a_file_torch_load_reads(tmp_path: Path) -> None:
     dst = tmp_path / "out" / "state.pt"
     url = asyncstore.torch.export(src, dst)
     assert url.endswith("/out/state.pt")
-    _assert_same(state, torch.load(dst, weights_only=True))
+    assert_same(torch.load(dst, weights_only=True), state)
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["state.pt"]  # no temp file
     # Any store URL, and the file replaced whole.
     memory = f"memory://export-{id(state)}"
@@ -273,7 +256,7 @@ def test_export_writes_a_file_torch_load_reads(tmp_path: Path) -> None:
             return await store.get("again.pt")
 
     data = asyncio.run(fetch())
-    _assert_same(state, torch.load(io.BytesIO(data), weights_only=True))
+    assert_same(torch.load(io.BytesIO(data), weights_only=True), state)
 
 
 def test_export_refuses_what_it_cannot_export(tmp_path: Path) -> None:
@@ -294,7 +277,7 @@ def test_the_export_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     asyncstore.torch.save(state, tmp_path / "state.ckpt")
     assert main(["export", str(tmp_path / "state.ckpt"), str(tmp_path / "state.pt")]) == 0
     assert "state.pt" in capsys.readouterr().out
-    _assert_same(state, torch.load(tmp_path / "state.pt", weights_only=True))
+    assert_same(torch.load(tmp_path / "state.pt", weights_only=True), state)
     assert main(["export", str(tmp_path / "nope.ckpt"), str(tmp_path / "nope.pt")]) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -8,52 +8,30 @@ import contextlib
 import io
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import torch
-import xxhash
 
 import asyncstore
 from asyncstore import IntegrityError, InvalidArgument
-from asyncstore.checkpoint import Checkpointer, read_manifest, staging_pool
+from asyncstore.checkpoint import Checkpointer, read_manifest
 from asyncstore.checkpoint import _format as fmt
 
-from .test_checkpointer import assert_tidy, contents
+from ..helpers import assert_same
+from .helpers import (
+    CHUNK,
+    TENSORS,
+    assert_tidy,
+    base_state,
+    changed,
+    contents,
+    rewrite_manifest_file,
+)
 
 pytestmark = pytest.mark.anyio
-
-CHUNK = 256 * 1024
-TENSORS = 20
-
-
-@pytest.fixture(autouse=True)
-def _give_staging_back() -> Iterator[None]:
-    # The staging pool of a chunk size is shared by the process: later tests measure it.
-    yield
-    staging_pool(CHUNK).trim()
-
-
-def base_state() -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(0)
-    # One chunk each (256 KiB), random: nothing compresses, so bytes written are exact.
-    return {f"t{i:02d}": torch.randn(CHUNK // 4, generator=gen) for i in range(TENSORS)}
-
-
-def changed(state: dict[str, Any], fraction: float, seed: int) -> dict[str, Any]:
-    out = {k: v.clone() for k, v in state.items()}
-    for key in sorted(out)[: round(TENSORS * fraction)]:
-        out[key].add_(float(seed))
-    return out
-
-
-def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 async def test_bytes_written_follow_what_changed(tmp_path: Path) -> None:
@@ -207,22 +185,6 @@ async def test_a_differential_version_loads_by_path_but_not_from_a_file_object(
         await asyncstore.load(io.BytesIO(path.read_bytes()))
 
 
-def _rewrite_manifest(path: Path, change: Any) -> None:
-    # Re-sign a manifest after changing it: the checksums then hold, and only the layout
-    # checks stand between the crafted manifest and the reader.
-    data = path.read_bytes()
-    footer = fmt.decode_footer(data[-fmt.FOOTER_SIZE :], str(path))
-    assert footer is not None
-    start, end = footer.manifest_offset, footer.manifest_offset + footer.manifest_length
-    manifest = change(fmt.decode_manifest(data[start:end], footer, str(path)))
-    manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
-    encoded = fmt.encode_manifest(manifest)
-    new_footer = msgspec.structs.replace(
-        footer, manifest_length=len(encoded), manifest_xxh3=xxhash.xxh3_64_intdigest(encoded)
-    )
-    path.write_bytes(data[:start] + encoded + fmt.encode_footer(new_footer))
-
-
 @pytest.mark.parametrize(
     "bad",
     ["../../etc/passwd", "packs/../../x.pack", "/abs.pack", "packs/x", "packs/.hidden.pack"],
@@ -231,7 +193,7 @@ async def test_a_crafted_pack_name_is_refused(tmp_path: Path, bad: str) -> None:
     async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
         await (await ckpt.save(base_state(), 1))
     path = tmp_path / "step-000000001.ckpt"
-    _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, packs=[bad]))
+    rewrite_manifest_file(path, lambda m: msgspec.structs.replace(m, packs=[bad]))
     with pytest.raises(IntegrityError, match="names a pack"):
         await asyncstore.load(path)
 
@@ -245,7 +207,7 @@ async def test_a_crafted_pack_index_is_refused(tmp_path: Path) -> None:
         first = msgspec.structs.replace(m.storages[0], packs=[5] * len(m.storages[0].chunks))
         return msgspec.structs.replace(m, storages=[first, *m.storages[1:]])
 
-    _rewrite_manifest(path, point_past)
+    rewrite_manifest_file(path, point_past)
     with pytest.raises(IntegrityError, match="impossibly"):
         await asyncstore.load(path)
 
@@ -254,7 +216,7 @@ async def test_a_version_1_manifest_naming_packs_is_refused(tmp_path: Path) -> N
     async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
         await (await ckpt.save(base_state(), 1))
     path = tmp_path / "step-000000001.ckpt"
-    _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, format=1))
+    rewrite_manifest_file(path, lambda m: msgspec.structs.replace(m, format=1))
     data = path.read_bytes()  # and the footer says version 1 as well
     footer = fmt.decode_footer(data[-fmt.FOOTER_SIZE :], str(path))
     assert footer is not None

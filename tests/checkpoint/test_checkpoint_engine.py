@@ -1,5 +1,5 @@
 """The checkpoint engine end to end: round trips, partial loads, one save per target at a time,
-and the errors a bad argument gets. The helpers that compare saved and loaded states live here."""
+and the errors a bad argument gets."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from asyncstore.checkpoint._target import StoreSource
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
+from .helpers import assert_same_storage_layout
 
 pytestmark = pytest.mark.anyio
 
@@ -50,53 +51,6 @@ def random_tensor(rng: random.Random, dtype: torch.dtype, shape: tuple[int, ...]
     count = int(torch.Size(shape).numel())
     flat = data[: count * width].view(dtype) if dtype != torch.bool else data[:count] % 2 == 1
     return flat[:count].reshape(shape).clone()
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    flat_a, flat_b = (torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1) for t in (a, b))
-    if a.dtype == torch.bool:
-        return torch.equal(flat_a, flat_b)
-    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
-
-
-def tensors_in(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    if isinstance(obj, torch.Tensor):
-        return [(path, obj)]
-    if isinstance(obj, dict):
-        return [t for k, v in obj.items() for t in tensors_in(v, f"{path}/{k}")]
-    if isinstance(obj, list | tuple):
-        return [t for i, v in enumerate(obj) for t in tensors_in(v, f"{path}/{i}")]
-    return []
-
-
-def assert_same(saved: Any, loaded: Any) -> None:
-    """Equal values, layouts, and the same sharing of storages."""
-    before, after = tensors_in(saved), tensors_in(loaded)
-    assert [p for p, _ in before] == [p for p, _ in after]
-    for (path, a), (_, b) in zip(before, after, strict=True):
-        assert same_bits(a, b), path
-        assert a.stride() == b.stride(), path
-        assert a.storage_offset() == b.storage_offset(), path
-        assert type(a) is type(b), path
-    owners = [a.untyped_storage().data_ptr() for _, a in before]
-    again = [b.untyped_storage().data_ptr() for _, b in after]
-    for i in range(len(owners)):
-        for j in range(len(owners)):
-            if before[i][1].untyped_storage().nbytes() and before[j][1].untyped_storage().nbytes():
-                assert (owners[i] == owners[j]) == (again[i] == again[j])
-    assert without_tensors(saved) == without_tensors(loaded)
-
-
-def without_tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return None
-    if isinstance(obj, dict):
-        return {k: without_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [without_tensors(v) for v in obj]
-    return obj
 
 
 @st.composite
@@ -144,7 +98,7 @@ async def test_round_trip(store: asyncstore.Store, state: dict[str, Any], compre
     result = await handle
     assert result.stored_bytes == (await store.stat(key)).size
     loaded = await asyncstore.load((store, key))
-    assert_same(state, loaded)
+    assert_same_storage_layout(state, loaded)
 
 
 async def test_large_storages_compress_and_span_chunks(store: asyncstore.Store) -> None:
@@ -171,7 +125,7 @@ async def test_large_storages_compress_and_span_chunks(store: asyncstore.Store) 
     assert codecs["noise"] <= {"raw", "zstd"}  # random bytes: kept raw where zstd cannot help
     assert len(next(s for s in manifest.storages if s.name == "w").chunks) == 5
     assert result.stored_bytes < result.raw_bytes
-    assert_same(state, await asyncstore.load((store, "big.ckpt")))
+    assert_same_storage_layout(state, await asyncstore.load((store, "big.ckpt")))
 
 
 async def test_auto_compresses_where_it_pays(seaweedfs: SeaweedFS) -> None:
@@ -192,7 +146,9 @@ async def test_auto_compresses_where_it_pays(seaweedfs: SeaweedFS) -> None:
     by_name = {s.name: s for s in manifest.storages}
     assert {c.codec for c in by_name["w"].chunks} == {"zstd+shuffle2"}
     assert {c.codec for c in by_name["noise"].chunks} == {"raw"}
-    assert_same(state, await asyncstore.load(f"{url}/auto.ckpt", store_options=options))
+    assert_same_storage_layout(
+        state, await asyncstore.load(f"{url}/auto.ckpt", store_options=options)
+    )
 
 
 async def test_metadata_and_torch_save_files(tmp_path: Path) -> None:
@@ -203,7 +159,7 @@ async def test_metadata_and_torch_save_files(tmp_path: Path) -> None:
     assert manifest is not None
     assert manifest.metadata == {"step": 7, "tag": "a"}
     torch.save(state, tmp_path / "plain.pt")
-    assert_same(state, await asyncstore.load(tmp_path / "plain.pt"))
+    assert_same_storage_layout(state, await asyncstore.load(tmp_path / "plain.pt"))
     # keys= and into= behave on torch.save files as on ours.
     assert list(await asyncstore.load(tmp_path / "plain.pt", keys=["w"])) == ["w"]
     with pytest.raises(InvalidArgument, match="no entries"):
@@ -220,7 +176,7 @@ async def test_torch_save_file_from_s3(seaweedfs: SeaweedFS) -> None:
     async with asyncstore.open_store(url, **s3_options(seaweedfs)) as store:
         await store.put("plain.pt", buffer.getvalue())
     loaded = await asyncstore.load(f"{url}/plain.pt", store_options=s3_options(seaweedfs))
-    assert_same(state, loaded)
+    assert_same_storage_layout(state, loaded)
 
 
 async def test_keys_read_only_their_chunks() -> None:
@@ -350,7 +306,7 @@ async def test_many_small_tensors_load_from_a_local_file(tmp_path: Path) -> None
     # More chunks in one span than one preadv call takes (1024 on Linux).
     state = {f"t{i}": torch.full((16,), float(i)) for i in range(1100)}
     await (await asyncstore.save(state, tmp_path / "many.ckpt", compression=None))
-    assert_same(state, await asyncstore.load(tmp_path / "many.ckpt"))
+    assert_same_storage_layout(state, await asyncstore.load(tmp_path / "many.ckpt"))
 
 
 @pytest.mark.parametrize("weights_only", [True, False])
@@ -386,9 +342,9 @@ async def test_a_load_reads_one_file_while_a_save_replaces_it(
         return await structure(self)
 
     monkeypatch.setattr(_reader.ChunkReader, "structure", replace_then_read)
-    assert_same(old, await asyncstore.load(tmp_path / "latest.ckpt"))
+    assert_same_storage_layout(old, await asyncstore.load(tmp_path / "latest.ckpt"))
     assert replaced
-    assert_same(new, await asyncstore.load(tmp_path / "latest.ckpt"))
+    assert_same_storage_layout(new, await asyncstore.load(tmp_path / "latest.ckpt"))
 
 
 async def test_a_directory_at_the_key_is_not_found(tmp_path: Path) -> None:

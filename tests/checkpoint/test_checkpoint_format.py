@@ -20,7 +20,7 @@ from asyncstore import IntegrityError, UnsafeCheckpoint
 from asyncstore.checkpoint import read_manifest
 
 from ..conftest import unique
-from .test_checkpoint_engine import assert_same
+from .helpers import assert_same_storage_layout, rewrite_manifest
 
 pytestmark = pytest.mark.anyio
 
@@ -63,23 +63,6 @@ async def test_damaged_chunk_names_tensor_chunk_and_url(tmp_path: Path) -> None:
         match=r"d\.ckpt: chunk 2 of tensor 'model\.layer\.weight'",
     ):
         await asyncstore.load(path)
-
-
-def rewrite_manifest(blob: bytes, edit: Any) -> bytes:
-    """The checkpoint with its manifest edited and every checksum over it redone."""
-    import msgspec
-    import xxhash
-
-    from asyncstore.checkpoint import _format as fmt
-
-    footer = fmt.decode_footer(blob[-fmt.FOOTER_SIZE :], "test")
-    assert footer is not None
-    start, end = footer.manifest_offset, footer.manifest_offset + footer.manifest_length
-    manifest = edit(fmt._manifest_decoder.decode(blob[start:end]))
-    manifest = msgspec.structs.replace(manifest, digest=fmt.digest_of(manifest))
-    encoded = fmt.encode_manifest(manifest)
-    new_footer = fmt.Footer(1, 0, start, len(encoded), xxhash.xxh3_64_intdigest(encoded))
-    return blob[:start] + encoded + fmt.encode_footer(new_footer)
 
 
 async def test_forged_manifests_are_integrity_errors() -> None:
@@ -172,7 +155,7 @@ async def test_safe_globals_allow_a_named_class(tmp_path: Path) -> None:
     path = tmp_path / "od.ckpt"
     state = {"opt": OrderedDict(a=torch.ones(1)), "frac": complex(1, 2), "big": 10**30}
     await (await asyncstore.save(state, path))
-    assert_same(state, await asyncstore.load(path))
+    assert_same_storage_layout(state, await asyncstore.load(path))
 
 
 class HookedParameter:

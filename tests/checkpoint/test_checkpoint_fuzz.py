@@ -35,8 +35,7 @@ from asyncstore.checkpoint import _format as fmt
 
 from ..conftest import unique
 from ..forge import Build, Call, Forged, ForgedStorage, Global, Pid, StorageRef, forge, write_pickle
-from .test_checkpoint_format import rewrite_manifest
-from .test_checkpoint_hostile import peak_rss, reset_peak_rss
+from .helpers import peak_rss, reset_peak_rss, rewrite_manifest
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import pickle
-import re
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,6 @@ import torch
 import asyncstore
 from asyncstore import IntegrityError, InvalidArgument, UnsafeCheckpoint
 
-from ..conftest import unique
 from ..forge import (
     Build,
     Call,
@@ -34,33 +32,16 @@ from ..forge import (
     write_pickle,
     zstd_bomb,
 )
+from .helpers import load_forged, peak_rss, reset_peak_rss
 
 pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
 
 
-async def load_forged(blob: bytes, **options: Any) -> Any:
-    async with asyncstore.open_store(f"memory://{unique()}") as store:
-        await store.put("k", blob)
-        return await asyncstore.load((store, "k"), **options)
-
-
 def floats(n: int) -> ForgedStorage:
     """A storage of ``n`` float32 values 0, 1, 2, …"""
     return ForgedStorage(bytes(torch.arange(n, dtype=torch.float32).untyped_storage()), "float32")
-
-
-def peak_rss() -> int:
-    """This process's peak resident memory since the last :func:`reset_peak_rss`, bytes."""
-    status = Path("/proc/self/status").read_text()
-    match = re.search(r"VmHWM:\s+(\d+) kB", status)
-    assert match is not None
-    return int(match.group(1)) * 1024
-
-
-def reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
 
 
 async def refused_within(blob: bytes, message: str, memory: int) -> None:

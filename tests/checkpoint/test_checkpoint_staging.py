@@ -20,7 +20,7 @@ import asyncstore.torch
 from asyncstore import InvalidArgument
 from asyncstore.checkpoint import read_manifest, staging_pool
 
-from .test_checkpoint_engine import assert_same
+from .helpers import assert_same_storage_layout
 
 pytestmark = pytest.mark.anyio
 
@@ -57,7 +57,7 @@ async def test_second_save_allocates_nothing_and_small_pools_stream(tmp_path: Pa
     )
     assert pool.allocated == allocated
     assert first.raw_bytes > 3 * MiB
-    assert_same(state, await asyncstore.load(tmp_path / "2.ckpt"))
+    assert_same_storage_layout(state, await asyncstore.load(tmp_path / "2.ckpt"))
 
 
 def test_staging_is_kept_across_event_loops(tmp_path: Path) -> None:
@@ -112,7 +112,7 @@ async def test_storages_are_cut_to_fill_each_slab(tmp_path: Path) -> None:
     sizes = [[c.raw for c in s.chunks] for s in manifest.storages]
     assert any(len(s) == 2 for s in sizes)  # some storages span two slabs
     assert all(sum(s) == 196_608 * 4 for s in sizes)
-    assert_same(state, await asyncstore.load(tmp_path / "cut.ckpt"))
+    assert_same_storage_layout(state, await asyncstore.load(tmp_path / "cut.ckpt"))
     pool.trim()
 
 
@@ -139,7 +139,7 @@ async def test_slabs_without_room_to_spare_still_hold_every_byte(
         }
         path = tmp_path / f"tight-{chunk}.ckpt"
         await (await asyncstore.save(state, path, chunk_bytes=chunk, compression=None))
-        assert_same(state, await asyncstore.load(path))
+        assert_same_storage_layout(state, await asyncstore.load(path))
         manifest = await read_manifest(path)
         assert all(c.raw <= chunk for s in manifest.storages for c in s.chunks)
         pool.trim()
@@ -227,7 +227,7 @@ async def test_failed_saves_give_their_staging_back() -> None:
     target = io.BytesIO()
     await asyncio.wait_for(save(target), 30)
     target.seek(0)
-    assert_same(state, await asyncstore.load(target))
+    assert_same_storage_layout(state, await asyncstore.load(target))
 
 
 async def test_a_writer_failing_during_a_short_snapshot_gives_staging_back() -> None:
@@ -248,7 +248,7 @@ async def test_a_writer_failing_during_a_short_snapshot_gives_staging_back() -> 
     target = io.BytesIO()
     await asyncio.wait_for((await asyncstore.save(state, target, **options)).wait(), 30)
     target.seek(0)
-    assert_same(state, await asyncstore.load(target))
+    assert_same_storage_layout(state, await asyncstore.load(target))
     pool.trim()
 
 
@@ -282,7 +282,7 @@ async def test_a_failed_snapshot_copy_fails_the_save_cleanly(
     assert len(pool._free) == pool.allocated
     assert [p.name for p in tmp_path.iterdir()] == ["c.ckpt"]
     monkeypatch.undo()
-    assert_same(state, await asyncstore.load(target))
+    assert_same_storage_layout(state, await asyncstore.load(target))
     pool.trim()
 
 
@@ -321,7 +321,7 @@ async def test_saves_cancelled_at_random_moments_give_every_slab_back(tmp_path: 
     await asyncio.wait_for(
         (await asyncstore.save(state, tmp_path / "final.ckpt", **options)).wait(), 30
     )
-    assert_same(state, await asyncstore.load(tmp_path / "final.ckpt"))
+    assert_same_storage_layout(state, await asyncstore.load(tmp_path / "final.ckpt"))
     pool.trim()
 
 
@@ -366,5 +366,5 @@ async def test_a_save_cancelled_as_its_snapshot_ends_is_abandoned_and_releases_i
     assert not list(tmp_path.iterdir())  # nothing committed, no temp file left
     monkeypatch.undo()
     await asyncio.wait_for((await asyncstore.save(state, target, chunk_bytes=chunk)).wait(), 30)
-    assert_same(state, await asyncstore.load(target))
+    assert_same_storage_layout(state, await asyncstore.load(target))
     pool.trim()

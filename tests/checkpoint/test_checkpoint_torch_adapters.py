@@ -13,7 +13,7 @@ import asyncstore
 import asyncstore.torch
 from asyncstore import InvalidArgument
 
-from .test_checkpoint_engine import assert_same
+from .helpers import assert_same_storage_layout
 
 pytestmark = pytest.mark.anyio
 
@@ -25,15 +25,15 @@ def test_torch_adapters_round_trip(tmp_path: Path) -> None:
     state = model.state_dict()
     result = save(state, tmp_path / "a.ckpt")
     assert result.stored_bytes == (tmp_path / "a.ckpt").stat().st_size
-    assert_same(dict(state), dict(load(tmp_path / "a.ckpt")))
+    assert_same_storage_layout(dict(state), dict(load(tmp_path / "a.ckpt")))
     future = save_async(state, str(tmp_path / "b.ckpt"))
     assert future.result(timeout=60).storages == 2
     buffer = io.BytesIO()
     save(state, buffer)
     buffer.seek(0)
-    assert_same(dict(state), dict(load(buffer, map_location="cpu")))
+    assert_same_storage_layout(dict(state), dict(load(buffer, map_location="cpu")))
     torch.save(state, tmp_path / "plain.pt")
-    assert_same(dict(state), dict(load(tmp_path / "plain.pt")))
+    assert_same_storage_layout(dict(state), dict(load(tmp_path / "plain.pt")))
     with pytest.raises(InvalidArgument, match="map_location"):
         load(tmp_path / "a.ckpt", map_location=lambda s, loc: s)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import shutil
 import signal
 import subprocess
@@ -22,50 +21,13 @@ import torch
 import asyncstore
 import asyncstore.torch
 from asyncstore import IntegrityError, InvalidArgument, NotFound, StoreClosed
-from asyncstore.checkpoint import Checkpointer, Version, read_manifest
+from asyncstore.checkpoint import Checkpointer, Version
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
+from .helpers import assert_tidy, contents, state_of
 
 pytestmark = pytest.mark.anyio
-
-
-def state_of(step: int) -> dict[str, Any]:
-    return {"w": torch.full((1000,), float(step)), "step": step}
-
-
-async def contents(
-    url: str | Path, options: dict[str, Any] | None = None
-) -> tuple[list[str], set[str], set[str]]:
-    """A run's version keys, the packs they point into, and every other key there."""
-    versions: list[str] = []
-    others: set[str] = set()
-    async with asyncstore.open_store(str(url), **(options or {})) as store:
-        async for info in store.list(""):
-            if re.fullmatch(r"step-\d{9}\.ckpt", info.key):
-                versions.append(info.key)
-            else:
-                others.add(info.key)
-        named: set[str] = set()
-        for key in versions:
-            named.update((await read_manifest((store, key))).packs)
-    return sorted(versions), named, others
-
-
-async def assert_tidy(url: str | Path, options: dict[str, Any] | None = None) -> list[str]:
-    """Assert that a run holds versions and the packs they point into, nothing else (no
-    temp file, no pack nothing points into, no pack missing); its version keys."""
-    versions, named, others = await contents(url, options)
-    assert others == named, (sorted(others - named), sorted(named - others))
-    if isinstance(url, Path) and url.exists():
-        # What a listing does not show: temp files of unfinished writes.
-        hidden = [
-            p
-            for p in url.rglob("*")
-            if p.is_file() and str(p.relative_to(url)) not in others | set(versions)
-        ]
-        assert not hidden, hidden
-    return versions
 
 
 async def leftovers(run: Path) -> int:

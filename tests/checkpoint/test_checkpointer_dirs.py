@@ -10,7 +10,7 @@ import pytest
 from asyncstore import InvalidArgument
 from asyncstore.checkpoint import Checkpointer
 
-from .test_checkpointer import state_of
+from .helpers import state_of
 
 pytestmark = pytest.mark.anyio
 

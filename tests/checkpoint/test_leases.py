@@ -18,7 +18,7 @@ from asyncstore.checkpoint._leases import LEASES, Lease, LeaseHolder, live_keys
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
-from .test_checkpointer import assert_tidy, state_of
+from .helpers import assert_tidy, state_of
 
 pytestmark = pytest.mark.anyio
 

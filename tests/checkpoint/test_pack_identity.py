@@ -19,14 +19,8 @@ from asyncstore.checkpoint import Checkpointer, read_manifest
 from asyncstore.checkpoint import _format as fmt
 from asyncstore.checkpoint._packfile import TRAILER_SIZE, PackId, encode_end, read_id, whole
 
-from .test_checkpoint_differential import (
-    CHUNK,
-    TENSORS,
-    _rewrite_manifest,
-    assert_same,
-    base_state,
-    changed,
-)
+from ..helpers import assert_same
+from .helpers import CHUNK, TENSORS, base_state, changed, rewrite_manifest_file
 
 pytestmark = pytest.mark.anyio
 
@@ -142,7 +136,7 @@ async def test_a_pack_without_a_recorded_identity_is_read_but_not_built_on(
         state = base_state()
         await (await ckpt.save(state, 1))
         path = tmp_path / "step-000000001.ckpt"
-        _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, pack_ids=[]))
+        rewrite_manifest_file(path, lambda m: msgspec.structs.replace(m, pack_ids=[]))
         assert_same(await asyncstore.load(path), state)
         with caplog.at_level(logging.WARNING, logger="asyncstore.checkpoint"):
             result = await (await ckpt.save(state, 2))
@@ -162,7 +156,7 @@ async def test_crafted_pack_identities_are_refused(
     async with Checkpointer(tmp_path, chunk_bytes=CHUNK) as ckpt:
         await (await ckpt.save(base_state(), 1))
     path = tmp_path / "step-000000001.ckpt"
-    _rewrite_manifest(path, lambda m: msgspec.structs.replace(m, pack_ids=pack_ids))
+    rewrite_manifest_file(path, lambda m: msgspec.structs.replace(m, pack_ids=pack_ids))
     with pytest.raises(IntegrityError, match="identities impossibly"):
         await asyncstore.load(path)
 

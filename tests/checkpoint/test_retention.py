@@ -21,7 +21,7 @@ from asyncstore.cli import main
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
-from .test_checkpointer import assert_tidy, state_of
+from .helpers import assert_tidy, state_of
 
 pytestmark = pytest.mark.anyio
 

@@ -21,7 +21,7 @@ import asyncstore.torch
 from asyncstore import UnsafeCheckpoint
 
 from ..forge import Call, Forged, ForgedStorage, Global, StorageRef, forge, rebuild, write_pickle
-from .test_checkpoint_hostile import load_forged
+from .helpers import load_forged
 
 pytestmark = [
     pytest.mark.anyio,

@@ -25,66 +25,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import asyncstore.torch
 from asyncstore.cli import main
 
-from ..ranks import spawn_ranks, wait_ranks
+from ..helpers import assert_same
+from ..ranks import SHARDED_SAVE_SCRIPT, spawn_ranks, wait_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 STEP = 300
-
-# Each rank saves the same state twice: as the version STEP of the run (asyncstore), and
-# with DCP's own FileSystemWriter, which dcp_to_torch_save reads.
-RANK_SCRIPT = """
-import json, os, sys
-import torch, torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter, state_dict_saver
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-import asyncstore.torch
-
-run, options, plain, step = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
-dist.init_process_group("gloo")
-rank = dist.get_rank()
-mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-g = torch.Generator().manual_seed(0)  # the same full tensors on every rank
-rows, bias = torch.randn(64, 16, generator=g), torch.randn(16, generator=g)
-moment = torch.randn(64, 16, generator=g)
-state = {
-    "model": {
-        "rows": distribute_tensor(rows, mesh, [Shard(0)]),  # half on each rank
-        "bias": distribute_tensor(bias, mesh, [Replicate()]),  # saved once
-    },
-    "optim": {
-        "state": {"rows": {"exp_avg": distribute_tensor(moment, mesh, [Shard(0)]),
-                           "step": torch.tensor(3.0)}},
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": ["rows", "bias"]}],
-    },
-    "step": step,
-    "data": {f"rank{rank}": {"consumed": 1000 + rank}},
-}
-with asyncstore.torch.Checkpointer(run, store_options=options) as ckpt:
-    state_dict_saver.save(state, storage_writer=ckpt.dcp_writer(step))
-state_dict_saver.save(state, storage_writer=FileSystemWriter(plain))
-dist.destroy_process_group()
-sys.stdout.flush()
-os._exit(0)  # as tests/torch/test_dcp.py's rank scripts do
-"""
-
-
-def assert_same(a: Any, b: Any) -> None:
-    assert type(a) is type(b), (a, b)
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> Any:
@@ -113,7 +59,7 @@ def test_export_and_inspect_of_a_version_two_ranks_wrote(
     run, options = run_url
     plain = tmp_path / "plain"
     argv = [run, json.dumps(options or {}), str(plain), str(STEP)]
-    wait_ranks(spawn_ranks(RANK_SCRIPT, 2, *argv), timeout=180)
+    wait_ranks(spawn_ranks(SHARDED_SAVE_SCRIPT, 2, *argv), timeout=180)
     opts = option_args(options)
 
     reference = tmp_path / "reference.pt"

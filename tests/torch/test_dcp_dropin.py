@@ -16,20 +16,9 @@ from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.api import CheckpointException
 
 from asyncstore import InvalidArgument, UnsafeCheckpoint
-from asyncstore.testing import SeaweedFS
 from asyncstore.torch.dcp import StorageReader, StorageWriter
 
-from ..conftest import BUCKET, s3_options, unique
-
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-
-
-@pytest.fixture(params=["local", "s3"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    if request.param == "local":
-        return str(tmp_path / "ckpt"), {}
-    server: SeaweedFS = request.getfixturevalue("seaweedfs")
-    return f"s3://{BUCKET}/{unique('dropin')}", s3_options(server)
 
 
 def _failure(raised: pytest.ExceptionInfo[CheckpointException]) -> BaseException:

@@ -26,9 +26,9 @@ from asyncstore.testing import FaultProxy, SeaweedFS
 from asyncstore.torch import Checkpointer, dcp_to_torch_save, torch_save_to_dcp
 from asyncstore.torch.dcp import StorageReader
 
-from ..cli.test_cli_dcp import RANK_SCRIPT, assert_same
 from ..conftest import BUCKET, s3_options, unique
-from ..ranks import spawn_ranks, wait_ranks
+from ..helpers import assert_same
+from ..ranks import SHARDED_SAVE_SCRIPT, spawn_ranks, wait_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -58,15 +58,6 @@ def same_as_saved(got: dict[str, Any], want: dict[str, Any]) -> None:
     blob = got.pop("blob")
     assert blob.getvalue() == want["blob"].getvalue()
     assert_same(got, {k: v for k, v in want.items() if k != "blob"})
-
-
-@pytest.fixture(params=["local", "s3"])
-def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    """A place for checkpoints and files: a local directory, then an S3 prefix."""
-    if request.param == "local":
-        return str(tmp_path / "place"), {}
-    server: SeaweedFS = request.getfixturevalue("seaweedfs")
-    return f"s3://{BUCKET}/{unique('fmt')}", s3_options(server)
 
 
 def test_round_trip_through_our_layout(where: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
@@ -107,7 +98,7 @@ def test_two_ranks_sharded_save_converts_as_torchs_own(
     argv = [run, json.dumps(options or {}), str(plain), "300"]
     # The same state saved by 2 gloo ranks, sharded: through a Checkpointer (our layout),
     # and with DCP's own FileSystemWriter.
-    wait_ranks(spawn_ranks(RANK_SCRIPT, 2, *argv), timeout=180)
+    wait_ranks(spawn_ranks(SHARDED_SAVE_SCRIPT, 2, *argv), timeout=180)
     torch_dcp_to_torch_save(plain, tmp_path / "reference.pt")
     want = torch.load(tmp_path / "reference.pt", weights_only=True)
 

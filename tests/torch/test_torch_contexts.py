@@ -23,7 +23,8 @@ import asyncstore.checkpoint
 import asyncstore.torch
 from asyncstore._loop import run_sync
 from asyncstore.errors import IntegrityError, InvalidArgument
-from tests.forge import Forged, ForgedStorage, StorageRef, forge, rebuild, write_pickle
+
+from ..forge import Forged, ForgedStorage, StorageRef, forge, rebuild, write_pickle
 
 MiB = 1 << 20
 BIG = 4 * MiB  # bytes of the large tensor: far more than a load that reads none reads

@@ -25,6 +25,7 @@ from asyncstore.errors import InvalidArgument, StoreError, StoreUnavailable, Uns
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import MiB, s3_options, unique
+from ..helpers import assert_same_bytes
 
 pytestmark = pytest.mark.anyio
 
@@ -79,28 +80,6 @@ def torch_bytes(obj: Any, **kwargs: Any) -> bytes:
     return buffer.getvalue()
 
 
-def assert_same(loaded: Any, expected: Any) -> None:
-    """Equal values, types, dtypes and shapes, tensor for tensor."""
-    assert type(loaded) is type(expected)
-    if isinstance(expected, torch.Tensor):
-        assert loaded.dtype == expected.dtype
-        assert loaded.shape == expected.shape
-        assert loaded.stride() == expected.stride()
-        assert torch.equal(
-            loaded.contiguous().view(torch.uint8), expected.contiguous().view(torch.uint8)
-        )
-    elif isinstance(expected, dict):
-        assert list(loaded) == list(expected)
-        for key in expected:
-            assert_same(loaded[key], expected[key])
-    elif isinstance(expected, list | tuple):
-        assert len(loaded) == len(expected)
-        for got, want in zip(loaded, expected, strict=True):
-            assert_same(got, want)
-    else:
-        assert loaded == expected
-
-
 def assert_sharing(loaded: dict[str, Any]) -> None:
     """The views and the tied entry share ``base``'s storage, as they did when saved."""
     pointer = loaded["base"].untyped_storage().data_ptr()
@@ -119,7 +98,7 @@ async def test_the_file_is_torch_save_bytes_and_both_loads_read_it(tmp_path: Pat
         torch.load(io.BytesIO(data), weights_only=False),
         await asyncstore.load(path),
     ):
-        assert_same(loaded, obj)
+        assert_same_bytes(loaded, obj)
         assert_sharing(loaded)
         assert isinstance(loaded["model"]["weight"], torch.nn.Parameter)
     # The result tells what was written.
@@ -260,7 +239,7 @@ async def test_every_kind_of_target(
         data = await store.get("pair.pt")
     assert data == expected
     loaded = torch.load(io.BytesIO(data), weights_only=True)
-    assert_same(loaded, obj)
+    assert_same_bytes(loaded, obj)
     assert_sharing(loaded)
 
 
@@ -278,7 +257,7 @@ async def test_file_urls_and_file_objects(tmp_path: Path) -> None:
     assert buffer.getvalue() == b"header" + expected
     assert result.stored_bytes == len(expected)
     buffer.seek(len(b"header"))
-    assert_same(torch.load(buffer, weights_only=True), obj)
+    assert_same_bytes(torch.load(buffer, weights_only=True), obj)
 
 
 @pytest.mark.parametrize(
@@ -327,7 +306,7 @@ def test_the_sync_functions_forward_format(tmp_path: Path) -> None:
     result = future.result()
     assert other.read_bytes() == torch_bytes(obj)
     assert result.stored_bytes == other.stat().st_size
-    assert_same(asyncstore.torch.load(other), obj)
+    assert_same_bytes(asyncstore.torch.load(other), obj)
 
 
 @pytest.mark.parametrize(

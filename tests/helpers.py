@@ -1,0 +1,62 @@
+"""Comparisons that test modules of several folders share: a loaded state against the state
+that was saved, from its structure down to each tensor's bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors have the same dtype, shape and bytes: unlike ``torch.equal``, a NaN
+    equals the same NaN, and ``-0.0`` differs from ``0.0``."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    flat_a, flat_b = (torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1) for t in (a, b))
+    if a.dtype == torch.bool:
+        return torch.equal(flat_a, flat_b)
+    return torch.equal(flat_a.view(torch.uint8), flat_b.view(torch.uint8))
+
+
+def _equal_values(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    assert got.dtype == want.dtype, where
+    assert got.shape == want.shape, where
+    assert torch.equal(got, want), where
+
+
+def _equal_bytes(got: torch.Tensor, want: torch.Tensor, where: str) -> None:
+    assert same_bits(got, want), where
+    assert got.stride() == want.stride(), where
+
+
+def _walk(
+    got: Any, want: Any, tensors: Callable[[torch.Tensor, torch.Tensor, str], None], where: str
+) -> None:
+    assert type(got) is type(want), (where, type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        tensors(got, want, where)
+    elif isinstance(want, dict):
+        assert list(got) == list(want), where
+        for key in want:
+            _walk(got[key], want[key], tensors, f"{where}/{key}")
+    elif isinstance(want, list | tuple):
+        assert len(got) == len(want), where
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            _walk(a, b, tensors, f"{where}/{i}")
+    else:
+        assert got == want, where
+
+
+def assert_same(got: Any, want: Any) -> None:
+    """Assert that ``got`` is ``want`` again: the same types at every level (a tuple stays a
+    tuple, an ``OrderedDict`` an ``OrderedDict``), dict keys in the same order, and tensors
+    of the same dtype and shape holding equal values."""
+    _walk(got, want, _equal_values, "")
+
+
+def assert_same_bytes(got: Any, want: Any) -> None:
+    """As :func:`assert_same`, and each tensor holds the same bytes (see :func:`same_bits`)
+    with the same strides: for formats that promise a tensor back exactly as it was saved."""
+    _walk(got, want, _equal_bytes, "")
