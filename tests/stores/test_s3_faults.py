@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,24 +17,9 @@ from asyncstore import StoreError, StoreUnavailable
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import BUCKET, MiB, s3_options, unique
+from .conftest import FAST
 
 pytestmark = pytest.mark.anyio
-
-# Fast retries keep the suite quick; the policy under test is the same.
-FAST = {"retry_base_delay": 0.01, "retry_max_delay": 0.05, "max_attempts": 4}
-
-
-@pytest.fixture(scope="module")
-def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
-        yield running
-
-
-@pytest.fixture
-def faults(proxy: FaultProxy) -> Iterator[FaultProxy]:
-    proxy.reset()
-    yield proxy
-    proxy.reset()
 
 
 def through(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -16,23 +15,9 @@ from asyncstore import StoreClosed
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import BUCKET, MiB, s3_options, unique
+from .conftest import FAST
 
 pytestmark = pytest.mark.anyio
-
-FAST = {"retry_base_delay": 0.01, "retry_max_delay": 0.05, "max_attempts": 4}
-
-
-@pytest.fixture(scope="module")
-def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
-        yield running
-
-
-@pytest.fixture
-def faults(proxy: FaultProxy) -> Iterator[FaultProxy]:
-    proxy.reset()
-    yield proxy
-    proxy.reset()
 
 
 async def wait_for(condition: Any, what: str) -> None:

@@ -9,7 +9,7 @@ right bytes, or raise an asyncstore error; short bytes are never data (DESIGN.md
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,10 @@ from asyncstore.testing import FaultProxy, SeaweedFS
 from asyncstore.testing._http import CUTS, ENCODINGS
 
 from ..conftest import BUCKET, MiB, s3_options, unique
+from .conftest import FAST
 
 pytestmark = pytest.mark.anyio
 
-FAST = {"retry_base_delay": 0.01, "retry_max_delay": 0.05, "max_attempts": 4}
 SMALL = os.urandom(200_000)  # several 64 KiB chunks when chunked
 LARGE = os.urandom(5 * MiB + 100_000)  # two parallel ranges at the 5 MiB part size
 
@@ -48,12 +48,6 @@ PATHS: dict[str, tuple[Read, bytes]] = {
 
 
 @pytest.fixture(scope="module")
-def proxy(seaweedfs: SeaweedFS) -> Iterator[FaultProxy]:
-    with FaultProxy("127.0.0.1", seaweedfs.s3_port) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def prefix(seaweedfs: SeaweedFS) -> str:
     """A prefix holding the objects every test reads, written once, directly."""
     name = unique("middlebox")
@@ -70,13 +64,6 @@ def prefix(seaweedfs: SeaweedFS) -> str:
     return name
 
 
-@pytest.fixture
-def box(proxy: FaultProxy) -> Iterator[FaultProxy]:
-    proxy.reset()
-    yield proxy
-    proxy.reset()
-
-
 def through(proxy: FaultProxy, server: SeaweedFS, prefix: str) -> asyncstore.Store:
     options = s3_options(server, endpoint_url=proxy.url, **FAST)
     return asyncstore.open_store(f"s3://{BUCKET}/{prefix}", **options)
@@ -85,28 +72,28 @@ def through(proxy: FaultProxy, server: SeaweedFS, prefix: str) -> asyncstore.Sto
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_honest_middlebox_reads_in_full(
-    box: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, path: str
+    faults: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, path: str
 ) -> None:
     read, expected = PATHS[path]
-    async with through(box, seaweedfs, prefix) as store:
-        box.middlebox(encoding)
+    async with through(faults, seaweedfs, prefix) as store:
+        faults.middlebox(encoding)
         assert await read(store) == expected
-        assert box.rewritten >= 1
-        assert box.cut == 0
+        assert faults.rewritten >= 1
+        assert faults.cut == 0
 
 
 @pytest.mark.parametrize("path", sorted(PATHS))
 @pytest.mark.parametrize("cut", CUTS)
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_one_cut_body_is_retried(
-    box: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, cut: str, path: str
+    faults: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, cut: str, path: str
 ) -> None:
     # A cut is transient: the read retries (or resumes) and returns every byte.
     read, expected = PATHS[path]
-    async with through(box, seaweedfs, prefix) as store:
-        box.middlebox(encoding, cut, n=1)
+    async with through(faults, seaweedfs, prefix) as store:
+        faults.middlebox(encoding, cut, n=1)
         data = await read(store)
-        assert box.cut == 1
+        assert faults.cut == 1
         assert len(data) == len(expected)
         assert data == expected
 
@@ -115,31 +102,31 @@ async def test_one_cut_body_is_retried(
 @pytest.mark.parametrize("cut", CUTS)
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_every_body_cut_is_an_error_never_short_bytes(
-    box: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, cut: str, path: str
+    faults: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, cut: str, path: str
 ) -> None:
     read = PATHS[path][0]
-    async with through(box, seaweedfs, prefix) as store:
-        box.middlebox(encoding, cut, n=1_000_000)
+    async with through(faults, seaweedfs, prefix) as store:
+        faults.middlebox(encoding, cut, n=1_000_000)
         # Before the fix, close-delimited cuts came back as short bytes, and readers of
         # bodies without Content-Length ended at once with none.
         with pytest.raises(StoreUnavailable, match="failed 4 time") as caught:
             await read(store)
         assert store.url in str(caught.value)
-        assert box.cut >= 4
+        assert faults.cut >= 4
 
 
 @pytest.mark.parametrize("encoding", ENCODINGS)
 async def test_cache_never_keeps_a_short_copy(
-    box: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, tmp_path: Path
+    faults: FaultProxy, seaweedfs: SeaweedFS, prefix: str, encoding: str, tmp_path: Path
 ) -> None:
     async with (
-        through(box, seaweedfs, prefix) as store,
+        through(faults, seaweedfs, prefix) as store,
         asyncstore.TieredCache(
             store, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 24
         ) as cache,
     ):
-        box.middlebox(encoding, "middle", n=1_000_000)
+        faults.middlebox(encoding, "middle", n=1_000_000)
         with pytest.raises(StoreUnavailable):
             await cache.get("small")
-        box.middlebox(None)
+        faults.middlebox(None)
         assert await cache.get("small") == SMALL
