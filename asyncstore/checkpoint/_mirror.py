@@ -100,10 +100,10 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
     """Copy the object ``key`` from ``source`` to ``target`` (as ``name``, by default
     ``key``) and check the copy; return its size.
 
-    The target's writer makes the copy appear whole or not at all. Where the target can
-    tell (an S3 ETag that is an MD5 of the parts, see :class:`CheckedUploads`), the MD5 of
-    what was sent is compared with it; otherwise the copy is read back and its xxh3
-    compared with the bytes sent.
+    The target's writer makes the copy appear whole or not at all. Where the target's server
+    checked every part against the checksum sent with it (S3's CRC32C, see
+    :class:`CheckedUploads`), that is the check; otherwise the copy is read back and its
+    xxh3 compared with the bytes sent.
 
     Raises:
         NotFound: ``key`` is no longer in ``source`` (deleted meanwhile).
@@ -114,24 +114,13 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
     sent = xxhash.xxh3_64()
     size = 0
     writer = target.open_writer(name)
-    checked = writer if isinstance(writer, CheckedUploads) else None
-    if checked is not None:
-        checked.track_md5()
     async with source.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader, writer:
         async for chunk in reader:
             sent.update(chunk)
             size += len(chunk)
             await writer.write(chunk)
-    if checked is not None:
-        matches = checked.md5_matches
-        if matches:
-            return size  # the server stored exactly the bytes sent
-        if matches is False:
-            await target.delete(name)
-            raise IntegrityError(
-                f"{target.url}/{name}: the mirror's ETag is not the MD5 of the bytes sent "
-                f"from {source.url}/{key}; it was deleted and is uploaded again"
-            )
+    if isinstance(writer, CheckedUploads) and writer.server_checked:
+        return size  # the server checked each part against the bytes sent
     back = xxhash.xxh3_64()
     read = 0
     async with target.open_reader(name, chunk_bytes=COPY_CHUNK_BYTES) as reader:

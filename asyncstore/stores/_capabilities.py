@@ -82,16 +82,13 @@ class PinnedReads(Protocol):
 
 @runtime_checkable
 class CheckedUploads(Protocol):
-    """A writer that can check what the server stored against what it sent, without reading
-    it back (S3 writers: the MD5 of each part against the ETag the server returns)."""
-
-    def track_md5(self) -> None:
-        """Compute the MD5 of every part sent (on worker threads); call before writing."""
-        ...
+    """A writer whose server checks what it stores against what was sent, without reading it
+    back (S3 writers: each part goes with its CRC32C, which the server verifies before
+    storing it and returns; a part damaged on the way is refused and sent again)."""
 
     @property
-    def md5_matches(self) -> bool | None:
-        """After the commit: whether the object's ETag is the MD5 of what was sent; ``None``
-        when the ETag is not an MD5 (server-side encryption with KMS, some servers) or
-        :meth:`track_md5` was not called."""
+    def server_checked(self) -> bool:
+        """After the commit: whether the server confirmed the checksum of every part sent.
+        ``False`` before the commit, for a server that ignores checksums, or with
+        ``checksum=None``: read the object back to be sure."""
         ...

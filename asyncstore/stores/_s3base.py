@@ -28,7 +28,7 @@ from . import _s3pool
 from ._basestore import BaseStore
 from ._s3client import NoCredentials, no_credentials_message, resolved_endpoint
 from ._s3config import S3Config
-from ._s3fast import S3HTTPError, SignedGetter
+from ._s3fast import S3HTTPError, SignedRequests
 from ._s3responses import (
     DENIED_CODES,
     NOT_FOUND_CODES,
@@ -57,7 +57,7 @@ class S3StoreBase(BaseStore):
         self._slots = asyncio.Semaphore(self._config.max_inflight)
         self._client: Any = None
         self._lease: _s3pool.Lease | None = None
-        self._fast: SignedGetter | None = None
+        self._fast: SignedRequests | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         # The I/O that every request waits for before its first: the lease on a client and
         # the bucket check, each run once, in a task that concurrent requests share.

@@ -21,7 +21,7 @@ from botocore import exceptions as bex
 
 from ..errors import StoreError
 from . import _redact
-from ._s3fast import SignedGetter
+from ._s3fast import SignedRequests
 from ._s3responses import describe
 
 if TYPE_CHECKING:
@@ -113,9 +113,9 @@ def no_credentials_message(where: str, endpoint: str | None) -> str:
 
 async def open_client(
     config: S3Config, endpoint: str | None, bucket: str, url: str
-) -> tuple[Any, Any, SignedGetter]:
+) -> tuple[Any, Any, SignedRequests]:
     """A new client for the store at ``url``: its context manager (whose ``__aexit__``
-    closes it), the client, and the fast GET path beside it.
+    closes it), the client, and the fast path (signed GETs and PUTs) beside it.
 
     Raises:
         NoCredentials: no credentials were found (the caller names the object).
@@ -134,7 +134,8 @@ async def open_client(
         retries={"total_max_attempts": 1},  # ours, not botocore's: see module doc
         s3={"addressing_style": style},
         # Integrity is end to end in asyncstore (xxh3 on cache entries and checkpoint
-        # chunks); a CRC per request would cost CPU on every byte twice.
+        # chunks), and uploads go through the fast path with their own CRC32C: botocore's
+        # requests here are small (create, complete, list, head).
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
@@ -156,22 +157,22 @@ async def open_client(
     except Exception as exc:
         raise StoreError(f"cannot create an S3 client for {url}: {describe(exc)}") from exc
     try:
-        fast = await open_getter(client, config, bucket, url)
+        fast = await open_signed(client, config, bucket, url)
     except BaseException:
         await cm.__aexit__(None, None, None)
         raise
     return cm, client, fast
 
 
-async def open_getter(client: Any, config: S3Config, bucket: str, url: str) -> SignedGetter:
-    """The fast GET path to ``bucket`` beside a live ``client``.
+async def open_signed(client: Any, config: S3Config, bucket: str, url: str) -> SignedRequests:
+    """The fast path (signed GETs and PUTs) to ``bucket`` beside a live ``client``.
 
     Raises:
         NoCredentials: no credentials were found (the caller names the object).
         StoreError: requests cannot be signed.
     """
     try:
-        return await SignedGetter.create(client, _session(config.profile), bucket, config)
+        return await SignedRequests.create(client, _session(config.profile), bucket, config)
     except Exception as exc:
         if isinstance(exc, bex.NoCredentialsError | bex.PartialCredentialsError):
             raise NoCredentials(describe(exc)) from exc

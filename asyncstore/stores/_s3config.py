@@ -74,6 +74,19 @@ class S3Config(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     same moment, is used as it is. Off by default: a misspelt bucket name should fail,
     not create a second bucket. Creating needs the ``s3:CreateBucket`` permission."""
 
+    checksum: Literal["crc32c"] | None = "crc32c"
+    """The checksum sent with every upload (``x-amz-checksum-crc32c``) for the server to check
+    before it stores anything: a body damaged on the way is refused and sent again, and the
+    checksum the server returns tells the writer it checked (see
+    :class:`~asyncstore.stores.CheckedUploads`). ``None`` sends none: the transport's own
+    checks only."""
+
+    sign_payload: bool = False
+    """Sign each upload's payload (its SHA-256 in the signature), for a server that refuses
+    ``UNSIGNED-PAYLOAD``. Off by default: the SHA-256 costs the client and the server a pass
+    over every byte (several times CRC32C's cost) and adds no integrity the checksum does not
+    give; the request itself stays signed either way."""
+
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     """``auto`` uses path-style URLs with a custom ``endpoint_url`` (what S3-compatible
     servers expect) and botocore's choice otherwise."""

@@ -41,8 +41,8 @@ from .._concurrency import (
     shield,
     wait_shared,
 )
-from ._s3client import open_client, open_getter
-from ._s3fast import SignedGetter
+from ._s3client import open_client, open_signed
+from ._s3fast import SignedRequests
 
 if TYPE_CHECKING:
     from ._s3config import S3Config
@@ -57,8 +57,10 @@ class Lease:
         self.loop, self.key = loop, key
         self.cm: Any = None  # the client's context manager, once made
         self.client: Any = None
-        self.opening: asyncio.Task[SignedGetter] | None = None  # makes the client
-        self.getters: dict[str, asyncio.Task[SignedGetter]] = {}  # the fast GET path, per bucket
+        self.opening: asyncio.Task[SignedRequests] | None = None  # makes the client
+        self.signers: dict[
+            str, asyncio.Task[SignedRequests]
+        ] = {}  # the fast path (signed GETs and PUTs), per bucket
         self.refs = 0
         self.closed = False  # no store takes it any more
         self.shut = False  # its client and paths are being closed, or are
@@ -99,7 +101,7 @@ def _key(config: S3Config, endpoint: str | None) -> tuple[Any, ...]:
 
 async def acquire(
     config: S3Config, endpoint: str | None, bucket: str, url: str
-) -> tuple[Lease, Any, SignedGetter]:
+) -> tuple[Lease, Any, SignedRequests]:
     """A lease on the client for these options on the running loop, made if needed; give
     it back with :func:`release`.
 
@@ -127,7 +129,7 @@ def _assign(
     endpoint: str | None,
     bucket: str,
     url: str,
-) -> tuple[Lease, asyncio.Task[SignedGetter]]:
+) -> tuple[Lease, asyncio.Task[SignedRequests]]:
     """Take a reference on the lease for ``key`` and return it with the task that makes its
     ``bucket`` usable, starting what is missing. Decides only: no await, so no I/O, in here.
 
@@ -143,13 +145,13 @@ def _assign(
             lease = _POOL[key] = Lease(loop, key)
             opening = _TASKS.spawn(_open(lease, config, endpoint, bucket, url), name=f"open {url}")
             opening.add_done_callback(_retrieved)
-            lease.opening = lease.getters[bucket] = opening
-        elif bucket not in lease.getters:  # (2)
+            lease.opening = lease.signers[bucket] = opening
+        elif bucket not in lease.signers:  # (2)
             adding = _TASKS.spawn(_add_bucket(lease, config, bucket, url), name=f"open {url}")
             adding.add_done_callback(_retrieved)
-            lease.getters[bucket] = adding
+            lease.signers[bucket] = adding
         lease.refs += 1
-        return lease, lease.getters[bucket]
+        return lease, lease.signers[bucket]
 
 
 def _retrieved(task: asyncio.Task[Any]) -> None:
@@ -160,8 +162,8 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
 
 async def _open(
     lease: Lease, config: S3Config, endpoint: str | None, bucket: str, url: str
-) -> SignedGetter:
-    fast: SignedGetter | None = None
+) -> SignedRequests:
+    fast: SignedRequests | None = None
     try:
         lease.cm, lease.client, fast = await open_client(config, endpoint, bucket, url)
         holder = _hold(lease)
@@ -178,15 +180,15 @@ async def _open(
     return fast
 
 
-async def _add_bucket(lease: Lease, config: S3Config, bucket: str, url: str) -> SignedGetter:
+async def _add_bucket(lease: Lease, config: S3Config, bucket: str, url: str) -> SignedRequests:
     assert lease.opening is not None
     try:
         await wait_shared(lease.opening)
-        return await open_getter(lease.client, config, bucket, url)
+        return await open_signed(lease.client, config, bucket, url)
     except BaseException:
         with _POOL_LOCK:
-            if lease.getters.get(bucket) is asyncio.current_task():
-                del lease.getters[bucket]  # the next store of this bucket tries again
+            if lease.signers.get(bucket) is asyncio.current_task():
+                del lease.signers[bucket]  # the next store of this bucket tries again
         raise
 
 
@@ -228,7 +230,7 @@ async def _close(lease: Lease) -> None:
     holder, lease.holder = lease.holder, None
     try:
         # What is still being made for it is finished first, then closed with the rest.
-        tasks = set(lease.getters.values())
+        tasks = set(lease.signers.values())
         if lease.opening is not None:
             tasks.add(lease.opening)
         tasks.discard(asyncio.current_task())

@@ -28,6 +28,8 @@ _RETRY_CODES = frozenset(
         "ServiceUnavailable",
         "RequestLimitExceeded",
         "TooManyRequests",
+        # A body that does not match the checksum sent with it was damaged on the way (the
+        # server stored nothing): send it again.
         "BadDigest",
         "IncompleteBody",
     }

@@ -1,9 +1,12 @@
 """Writes to S3: :class:`S3Writer`, behind every ``open_writer`` of an S3 store and every
-``put`` larger than one part.
+``put`` larger than one part, and :func:`put_object`, a single PUT.
 
 A writer buffers up to one part. An object that fits in one part becomes a single PUT; a
 larger one becomes a multipart upload whose parts go out in background tasks, at most
 ``upload_max_inflight`` at a time, and which is aborted if the write fails or is cancelled.
+Bodies go out on the fast path (:mod:`._s3fast`): from memory as they lie, the payload
+unsigned, each with its CRC32C for the server to check. Each byte is copied once on its way
+to the socket: into the part buffer (none for ``put`` of an in-memory object).
 """
 
 from __future__ import annotations
@@ -12,9 +15,8 @@ import asyncio
 import hashlib
 import io
 import logging
-import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
@@ -23,6 +25,7 @@ from .._concurrency import TaskSet, forget_errors, to_thread, wait_shared
 from ..errors import NotFound, StoreError
 from ._base import ObjectInfo
 from ._s3base import S3StoreBase
+from ._s3fast import combined_crc32c, crc32c_of
 from ._s3responses import error_code, object_info
 from ._streams import BaseWriter
 
@@ -30,25 +33,53 @@ _T = TypeVar("_T")
 _logger = logging.getLogger("asyncstore.s3")
 
 _MAX_PARTS = 10_000
-_SMALL_BODY = 1 << 20  # bodies up to this size go to aiohttp as bytes (see payload)
-# An ETag that is an MD5: of the object (single PUT), or of its parts' MD5s, "-" and their
-# count (multipart). Server-side encryption with KMS, and some servers, give others.
-_MD5_ETAG = re.compile(r'^"?([0-9a-f]{32})(-\d+)?"?$')
+# Below this, a body's checksums are computed on the event loop: a thread hop costs more.
+_INLINE_DIGEST = 1 << 20
 
 
-def _md5(data: bytes | memoryview) -> bytes:
-    return hashlib.md5(data, usedforsecurity=False).digest()
+async def _digests(store: S3StoreBase, body: memoryview) -> tuple[str | None, str | None]:
+    """The body's CRC32C (when the store sends checksums) and SHA-256 (when it signs
+    payloads), on a worker thread for a large body."""
+    config = store.config
+
+    def digest() -> tuple[str | None, str | None]:
+        crc = crc32c_of(body) if config.checksum == "crc32c" else None
+        sha = hashlib.sha256(body).hexdigest() if config.sign_payload else None
+        return crc, sha
+
+    if config.checksum is None and not config.sign_payload:
+        return None, None
+    return digest() if body.nbytes <= _INLINE_DIGEST else await to_thread(digest)
 
 
-def payload(data: bytes) -> bytes | io.BytesIO:
-    """A request body for ``data``, made anew for every attempt.
+def _checked(store: S3StoreBase, key: str, sent: str | None, headers: Mapping[str, str]) -> bool:
+    """Whether the server checked the body against ``sent``: it returns the checksum it
+    verified. ``False`` for a server that ignores checksums (it returns none)."""
+    if sent is None:
+        return False
+    returned = headers.get("x-amz-checksum-crc32c")
+    if returned is None:
+        return False
+    if returned != sent:
+        raise StoreError(
+            f"{store.where(key)}: the server returned checksum {returned!r} for a body sent "
+            f"with {sent!r}; it may have stored other bytes: write it again"
+        )
+    return True
 
-    aiohttp writes a bytes body to the socket in one call, which blocks the event loop while
-    the kernel buffer drains and warns above 1 MiB; a ``BytesIO`` is streamed in 64 KiB
-    pieces under flow control instead. ``BytesIO(bytes)`` shares the bytes until written to,
-    so this costs no copy.
-    """
-    return io.BytesIO(data) if len(data) > _SMALL_BODY else data
+
+async def put_object(store: S3StoreBase, key: str, body: memoryview) -> tuple[ObjectInfo, bool]:
+    """One PUT of ``body`` to ``key`` on the fast path; returns the object's info and whether
+    the server checked the body's checksum."""
+    crc, sha = await _digests(store, body)
+
+    async def attempt(_: Any) -> Mapping[str, str]:
+        assert store._fast is not None
+        return await store._fast.put(store._root + key, body, crc32c=crc, sha256=sha)
+
+    headers = await store._call(key, "put", attempt)
+    info = object_info(key, {"ETag": headers.get("ETag")}, size=body.nbytes)
+    return msgspec.structs.replace(info, mtime=time.time()), _checked(store, key, crc, headers)
 
 
 class S3Writer(BaseWriter):
@@ -67,26 +98,13 @@ class S3Writer(BaseWriter):
         self._parts: list[asyncio.Task[dict[str, Any]]] = []  # in part order
         self._creating: asyncio.Future[str] | None = None
         self._next_part = 1
-        self._md5s: dict[int, bytes] | None = None  # by part number, when tracked
-        self._expected_etag: str | None = None
-
-    def track_md5(self) -> None:
-        """Compute the MD5 of every part sent, so that :attr:`md5_matches` can tell whether
-        the server stored exactly that (see :class:`~asyncstore.stores.CheckedUploads`)."""
-        if self._written or self._next_part > 1:
-            raise StoreError(f"{self._store.where(self._key)}: track_md5() after a write")
-        self._md5s = {}
+        self._server_checked = False
 
     @property
-    def md5_matches(self) -> bool | None:
-        """After the commit: whether the ETag is the MD5 of what was sent (``None``: cannot
-        tell, or not tracked)."""
-        if self._expected_etag is None or self.info is None or self.info.etag is None:
-            return None
-        match = _MD5_ETAG.match(self.info.etag.lower())
-        if match is None:
-            return None
-        return f"{match.group(1)}{match.group(2) or ''}" == self._expected_etag
+    def server_checked(self) -> bool:
+        """After the commit: whether the server checked every part against the checksum
+        sent with it (see :class:`~asyncstore.stores.CheckedUploads`)."""
+        return self.info is not None and self._server_checked
 
     async def write_in_place(self, data: memoryview) -> None:
         """Write all of an in-memory object, each part a slice of ``data`` (no copy into the
@@ -110,8 +128,8 @@ class S3Writer(BaseWriter):
             size = self._part_bytes()
             buffered = self._buffer.tell()
             if not buffered and len(data) - offset >= size and not copy:
-                # put() of an in-memory object: each part is one slice of it.
-                await self._send(data[offset : offset + size].tobytes())
+                # put() of an in-memory object: each part is one slice of it, sent as it lies.
+                await self._send(data[offset : offset + size])
                 offset += size
                 continue
             take = min(size - buffered, len(data) - offset)
@@ -120,7 +138,7 @@ class S3Writer(BaseWriter):
             if buffered + take >= size:
                 await self._send(self._take_buffer())
 
-    async def _send(self, part: bytes) -> None:
+    async def _send(self, part: bytes | memoryview) -> None:
         if self._upload_id is None:
             self._upload_id = await self._create()
         # Back-pressure: wait for the oldest part when the window is full, so memory stays
@@ -146,8 +164,9 @@ class S3Writer(BaseWriter):
 
     async def _create(self) -> str:
         async def attempt(client: Any) -> str:
+            extra = {"ChecksumAlgorithm": "CRC32C"} if self._store.config.checksum else {}
             resp = await client.create_multipart_upload(
-                Bucket=self._store.bucket, Key=self._store._root + self._key
+                Bucket=self._store.bucket, Key=self._store._root + self._key, **extra
             )
             return str(resp["UploadId"])
 
@@ -160,21 +179,24 @@ class S3Writer(BaseWriter):
         self._creating = None
         return upload_id
 
-    async def _upload_part(self, number: int, part: bytes) -> dict[str, Any]:
-        if self._md5s is not None:
-            self._md5s[number] = await to_thread(_md5, part)
+    async def _upload_part(self, number: int, part: bytes | memoryview) -> dict[str, Any]:
+        body = memoryview(part).cast("B")
+        crc, sha = await _digests(self._store, body)
+        query = {"partNumber": str(number), "uploadId": str(self._upload_id)}
 
-        async def attempt(client: Any) -> dict[str, Any]:
-            resp = await client.upload_part(
-                Bucket=self._store.bucket,
-                Key=self._store._root + self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=payload(part),
+        async def attempt(_: Any) -> Mapping[str, str]:
+            fast = self._store._fast
+            assert fast is not None
+            return await fast.put(
+                self._store._root + self._key, body, crc32c=crc, sha256=sha, query=query
             )
-            return {"PartNumber": number, "ETag": resp["ETag"]}
 
-        return await self._upload_call(f"upload part {number}", attempt)
+        headers = await self._upload_call(f"upload part {number}", attempt)
+        done: dict[str, Any] = {"PartNumber": number, "ETag": headers.get("ETag")}
+        if crc is not None:
+            done["ChecksumCRC32C"] = crc
+        done["checked"] = _checked(self._store, self._key, crc, headers)
+        return done
 
     async def _upload_call(self, what: str, attempt: Callable[[Any], Awaitable[_T]]) -> _T:
         """A request on this writer's upload; says what happened if the upload is gone."""
@@ -196,19 +218,16 @@ class S3Writer(BaseWriter):
     async def _commit(self) -> ObjectInfo:
         if self._upload_id is None:
             # Everything fit in one part: a single PUT, no multipart overhead.
-            body = self._take_buffer()
-            if self._md5s is not None:
-                self._expected_etag = (await to_thread(_md5, body)).hex()
-            return await self._store._put(self._key, memoryview(body))
+            info, self._server_checked = await put_object(
+                self._store, self._key, memoryview(self._take_buffer())
+            )
+            return info
         if self._buffer.tell():
             await self._send(self._take_buffer())
-        parts = [await task for task in self._parts]
+        done = [await task for task in self._parts]
+        flags = [part.pop("checked") for part in done]  # out of every part: not S3's field
+        checked = all(flags)
         upload_id = self._upload_id
-        if self._md5s is not None:
-            digests = b"".join(self._md5s[part["PartNumber"]] for part in parts)
-            self._expected_etag = (
-                f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(parts)}"
-            )
 
         async def attempt(client: Any) -> dict[str, Any]:
             # Retried like every request: a retry after a lost answer completes the same
@@ -218,12 +237,23 @@ class S3Writer(BaseWriter):
                     Bucket=self._store.bucket,
                     Key=self._store._root + self._key,
                     UploadId=upload_id,
-                    MultipartUpload={"Parts": parts},
+                    MultipartUpload={"Parts": done},
                 )
             )
 
         resp = await self._upload_call("complete upload", attempt)
         self._upload_id = None  # committed: nothing left to abort
+        returned = resp.get("ChecksumCRC32C")
+        if checked and returned is not None:
+            # The object's checksum is its parts' checksums, checksummed: the server joined
+            # exactly the parts it checked, in order.
+            expected = combined_crc32c([part["ChecksumCRC32C"] for part in done])
+            if returned != expected:
+                raise StoreError(
+                    f"{self._store.where(self._key)}: the server's checksum of the joined "
+                    f"parts is {returned!r}, not {expected!r}; write it again"
+                )
+        self._server_checked = checked
         info = object_info(self._key, {"ETag": resp.get("ETag")}, size=self._written)
         return msgspec.structs.replace(info, mtime=time.time())
 

@@ -19,11 +19,8 @@ answers and errors.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
-
-import msgspec
 
 from .._concurrency import bounded_map
 from ..errors import NotFound
@@ -34,7 +31,7 @@ from ._s3config import S3Config
 from ._s3fast import S3HTTPError
 from ._s3read import S3Reader
 from ._s3responses import Precondition, ShortBody, check_body, object_info
-from ._s3write import S3Writer, payload
+from ._s3write import S3Writer, put_object
 from ._streams import BaseReader, BaseWriter
 
 __all__ = ["S3Config", "S3Store"]
@@ -138,18 +135,8 @@ class S3Store(S3StoreBase):
                 await writer.write_in_place(data)
             assert writer.info is not None
             return writer.info
-        body = _bytes(data)
-
-        async def attempt(client: Any) -> dict[str, Any]:
-            return dict(
-                await client.put_object(
-                    Bucket=self._bucket, Key=self._root + key, Body=payload(body)
-                )
-            )
-
-        resp = await self._call(key, "put", attempt)
-        info = object_info(key, {"ETag": resp.get("ETag")}, size=len(data))
-        return msgspec.structs.replace(info, mtime=time.time())
+        info, _ = await put_object(self, key, data.cast("B"))
+        return info
 
     async def _stat(self, key: str) -> ObjectInfo:
         async def attempt(client: Any) -> ObjectInfo:
@@ -278,14 +265,6 @@ class S3Store(S3StoreBase):
 
     def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader:
         return S3Reader(self, key, chunk_bytes)
-
-
-def _bytes(view: memoryview) -> bytes:
-    """The view as bytes, without a copy when it already covers a whole bytes object."""
-    source = view.obj
-    if isinstance(source, bytes) and len(source) == view.nbytes:
-        return source
-    return view.tobytes()
 
 
 # Shown where users meet it (reprs, tracebacks: asyncstore.S3Store), whichever import
