@@ -49,11 +49,6 @@ SAVE_GOAL = 1.2
 LOAD_GOAL = 1.1
 
 
-def unsigned(request: Any, **_: Any) -> None:
-    """botocore's ``before-sign`` hook: the payload goes unsigned (the request stays signed)."""
-    request.headers["X-Amz-Content-SHA256"] = "UNSIGNED-PAYLOAD"
-
-
 @asynccontextmanager
 async def client_of(server: SeaweedFS, *, sign_payload: bool) -> AsyncIterator[Any]:
     """An aiobotocore client of ``server``, with botocore's own per-request checksums off."""
@@ -64,7 +59,9 @@ async def client_of(server: SeaweedFS, *, sign_payload: bool) -> AsyncIterator[A
         max_pool_connections=INFLIGHT + 4,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
-        s3={"addressing_style": "path"},
+        # Over http botocore signs every payload unless told not to (the request stays
+        # signed either way).
+        s3={"addressing_style": "path", "payload_signing_enabled": sign_payload},
     )
     async with get_session().create_client(
         "s3",
@@ -74,8 +71,6 @@ async def client_of(server: SeaweedFS, *, sign_payload: bool) -> AsyncIterator[A
         aws_secret_access_key=options["aws_secret_access_key"],
         config=config,
     ) as client:
-        if not sign_payload:
-            client.meta.events.register("before-sign.s3.UploadPart", unsigned)
         yield client
 
 

@@ -93,6 +93,19 @@ class _Slices(aiohttp.payload.Payload):
             await writer.write(view[start : start + _SLICE])  # drains past its high mark
 
 
+class _BodySigner(S3SigV4Auth):  # type: ignore[misc]
+    """botocore's S3 signer for a request whose body it does not hold: the payload's hash
+    (``UNSIGNED-PAYLOAD``, or the SHA-256 computed beforehand) is given. botocore would hash
+    the empty body it holds, or the whole body on the event loop."""
+
+    def __init__(self, credentials: Any, region: str, payload: str) -> None:
+        super().__init__(credentials, "s3", region)
+        self._payload = payload
+
+    def payload(self, request: Any) -> str:
+        return self._payload
+
+
 class SignedRequests:
     """Signed GETs and PUTs of one bucket's objects over a private aiohttp session."""
 
@@ -188,13 +201,10 @@ class SignedRequests:
         url = self._base + quote(key, safe="/~")
         if query:
             url += "?" + urlencode(sorted(query.items()), quote_via=quote, safe="~")
-        headers = {
-            "Content-Length": str(body.nbytes),
-            "X-Amz-Content-SHA256": sha256 or _UNSIGNED,
-        }
+        headers = {"Content-Length": str(body.nbytes)}
         if crc32c is not None:
             headers["x-amz-checksum-crc32c"] = crc32c
-        request = await self._signed("PUT", url, headers)
+        request = await self._signed("PUT", url, headers, payload=sha256 or _UNSIGNED)
         async with self._session.put(
             yarl.URL(url, encoded=True), data=_Slices(body), headers=request
         ) as response:
@@ -203,13 +213,20 @@ class SignedRequests:
                 raise _error(response.status, answer)
             return response.headers.copy()  # names in any case: "ETag", "Etag"
 
-    async def _signed(self, method: str, url: str, headers: dict[str, str]) -> dict[str, str]:
-        # The headers of ``method url`` with botocore's SigV4 signature added.
+    async def _signed(
+        self, method: str, url: str, headers: dict[str, str], payload: str | None = None
+    ) -> dict[str, str]:
+        # The headers of ``method url`` with botocore's SigV4 signature added; ``payload``
+        # is the body's x-amz-content-sha256 (for a request with a body, which the signer
+        # never sees).
         frozen = self._credentials.get_frozen_credentials()
         if inspect.isawaitable(frozen):  # aiobotocore's refreshable credentials
             frozen = await frozen
         request = AWSRequest(method=method, url=url, headers=headers)
-        S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
+        if payload is None:
+            S3SigV4Auth(frozen, "s3", self._region).add_auth(request)
+        else:
+            _BodySigner(frozen, self._region, payload).add_auth(request)
         return dict(request.headers.items())
 
     async def aclose(self) -> None:

@@ -10,6 +10,7 @@ and relaying the server's responses back). How HTTP messages are framed on the w
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import threading
@@ -49,7 +50,8 @@ class FaultProxy:
     connections, refused ones included), ``requests`` (request heads received),
     ``requests_forwarded``, ``failed`` (error responses injected), ``resets`` (connections
     reset by :meth:`reset_next`), ``rewritten`` and ``cut`` (responses re-framed and cut by
-    :meth:`middlebox`).
+    :meth:`middlebox`). ``seen`` holds the last 1,000 request heads received, each as its
+    start line and its headers (names lowercased): what a client sent, signature included.
 
     Args:
         upstream_host: host of the server to forward to.
@@ -64,6 +66,7 @@ class FaultProxy:
     rewritten: int
     cut: int
     corrupted: int
+    seen: collections.deque[tuple[str, dict[str, str]]]
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
         self.upstream_host = upstream_host
@@ -237,6 +240,7 @@ class FaultProxy:
             self._corrupt_left, self._corrupt_match = 0, None
             self.connections = self.requests = self.requests_forwarded = 0
             self.failed = self.resets = self.rewritten = self.cut = self.corrupted = 0
+            self.seen = collections.deque(maxlen=1000)
         self._in_loop(lambda: self._close_conns(lambda c: c.stalled))
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -359,6 +363,7 @@ class FaultProxy:
             )
             with self._lock:
                 self.requests += 1
+                self.seen.append((head.start_line, dict(head.headers)))
                 action, status, reset_after = "forward", 0, None
                 rewrite: tuple[str, str | None] | None = None
                 if self._stall:

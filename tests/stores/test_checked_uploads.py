@@ -5,6 +5,7 @@ fault proxy."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -57,15 +58,40 @@ async def test_the_server_checks_every_part_and_a_damaged_one_is_sent_again(
         assert await store.get("d") != data  # what the checksum is for
 
 
-async def test_a_signed_payload_is_stored_as_well(seaweedfs: SeaweedFS) -> None:
-    # For a server that refuses UNSIGNED-PAYLOAD: the SHA-256 goes in the signature.
-    data = os.urandom(6 * MiB)
-    options = s3_options(seaweedfs, sign_payload=True)
-    async with asyncstore.open_store(f"s3://{BUCKET}/{unique('signed')}", **options) as store:
+def uploads(proxy: FaultProxy) -> list[dict[str, str]]:
+    """The headers of every PUT (an object or a part) the proxy saw."""
+    return [headers for line, headers in proxy.seen if line.startswith("PUT ")]
+
+
+def signed_headers(headers: dict[str, str]) -> set[str]:
+    return set(headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";"))
+
+
+@pytest.mark.parametrize("sign_payload", [False, True])
+async def test_what_an_upload_sends(
+    seaweedfs: SeaweedFS, proxy: FaultProxy, sign_payload: bool
+) -> None:
+    # The payload's hash is in the signature (what AWS checks, and SeaweedFS does not):
+    # UNSIGNED-PAYLOAD, or the SHA-256 of the body for a server that wants signed payloads;
+    # never the hash of an empty body. Each body goes with its CRC32C.
+    data = os.urandom(12 * MiB)  # three parts of 5 MiB
+    options = s3_options(seaweedfs, endpoint_url=proxy.url, sign_payload=sign_payload)
+    async with asyncstore.open_store(f"s3://{BUCKET}/{unique('wire')}", **options) as store:
         await store.put("small", data[:1000])
         await store.put("large", data)
         assert await store.get("small") == data[:1000]
         assert await store.get("large") == data
+    bodies = [data[:1000], data[: 5 * MiB], data[5 * MiB : 10 * MiB], data[10 * MiB :]]
+    sent = uploads(proxy)
+    assert len(sent) == len(bodies)
+    for headers in sent:
+        assert {"x-amz-content-sha256", "content-length"} <= signed_headers(headers)
+        assert headers["x-amz-checksum-crc32c"]
+    hashes = sorted(h["x-amz-content-sha256"] for h in sent)
+    if sign_payload:
+        assert hashes == sorted(hashlib.sha256(body).hexdigest() for body in bodies)
+    else:
+        assert hashes == ["UNSIGNED-PAYLOAD"] * len(bodies)
 
 
 async def test_a_mirror_copy_damaged_on_the_wire_is_uploaded_again(
