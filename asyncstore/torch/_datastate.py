@@ -31,7 +31,7 @@ from typing import NamedTuple, cast
 import torch
 
 from ..errors import InvalidArgument
-from ._order import SLICE, EpochOrder, _local_positions
+from ._order import SLICE, EpochOrder, _local_positions, one_thread
 from ._shard import check_resume, per_rank, worker_batches
 
 __all__ = [
@@ -121,9 +121,11 @@ def stream_slices(
         length, skip=skip, batch=batch, worker=worker, workers=workers, size=SLICE
     )
     for group in groups:
-        local = torch.cat([_local_positions(batches) for batches in group])
-        positions = (local * order.world + (order.rank + start)) % order.count
-        yield order.permute(positions).tolist()
+        with one_thread():  # left before the yield, as in EpochOrder.slices
+            local = torch.cat([_local_positions(batches) for batches in group])
+            positions = (local * order.world + (order.rank + start)) % order.count
+            indices = order.permute(positions).tolist()
+        yield indices
 
 
 def stream_positions(count: int, start: int, rank: int, world: int) -> list[int]:
