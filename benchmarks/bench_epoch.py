@@ -1,0 +1,259 @@
+"""An epoch's cost on the training node: planning it on a busy machine, and warm epochs
+against a DataLoader over the same samples as plain local files.
+
+Planning: the epoch plan of 10 million keys (``EpochOrder.slices``, indices as Python ints)
+in a fresh process, with and without a CPU hog (a busy-looping process pinned to the last
+core), planned on the calling thread (what the dataset does) and, as the baseline, with the
+same arithmetic on torch's intra-op pool at its default size (what it did before).
+
+Warm epochs: StreamingDataset in a DataLoader with the dataset 3x the memory tier (served
+from the disk tier), against the same DataLoader over a dataset of plain ``open().read()``
+of the same samples as local files; and with the memory tier holding the whole dataset,
+against the same DataLoader over the samples in a list in memory. Same decode, same batches
+per worker, same collate (``torch.stack``, the DataLoader's default for tensors), same run.
+
+Run ``python benchmarks/bench_epoch.py`` (``--write`` records the tables in
+docs/benchmarks.md). The machine is shared: rerun, and read ratios, not rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from _report import machine, record
+from bench_dataset import BATCH, InMemory, PlainFiles, as_tensor, epoch, loader_for
+from torch.utils.data import DataLoader
+
+from asyncstore.torch import StreamingDataset
+
+Say = Callable[..., None]  # say(line="")
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+
+def plan_child(mode: str, count: int) -> float:
+    """Seconds to plan an epoch of ``count`` keys in this (fresh) process: ``mode`` "thread"
+    as the dataset plans it, "pool" with the arithmetic on torch's intra-op pool."""
+    import contextlib
+
+    import torch
+
+    from asyncstore.torch import _order
+
+    if mode == "pool":
+        _order.one_thread = contextlib.nullcontext  # type: ignore[assignment]
+    threads = torch.get_num_threads()
+    started = time.perf_counter()
+    order = _order.EpochOrder(count, seed=0, epoch=0, shuffle=True, rank=0, world=1)
+    planned = sum(len(part) for part in order.slices())
+    took = time.perf_counter() - started
+    assert planned == count
+    assert torch.get_num_threads() == threads  # the pool keeps its size
+    return took
+
+
+def start_hog() -> subprocess.Popen[bytes]:
+    """A process that busy-loops on the machine's last core until it is killed."""
+    last = max(os.sched_getaffinity(0))
+    return subprocess.Popen(
+        [sys.executable, "-c", "while True: pass"],
+        preexec_fn=lambda: os.sched_setaffinity(0, {last}),
+    )
+
+
+def plan_once(mode: str, count: int) -> float:
+    out = subprocess.run(
+        [sys.executable, __file__, "--plan-child", mode, str(count)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run_plan(count: int, repeats: int, say: Say) -> None:
+    """Plan times, median of ``repeats`` fresh processes each, the modes alternating."""
+    times: dict[tuple[str, bool], list[float]] = {}
+    for hog in (False, True):
+        process = start_hog() if hog else None
+        try:
+            time.sleep(0.2 if hog else 0.0)
+            for _ in range(repeats):
+                for mode in ("pool", "thread"):
+                    times.setdefault((mode, hog), []).append(plan_once(mode, count))
+        finally:
+            if process is not None:
+                process.kill()
+                process.wait()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    say(f"### Planning an epoch of {count:,} keys (median of {repeats} fresh processes)")
+    say()
+    say(
+        "The plan: every index of one rank's epoch, shuffled, as Python ints "
+        "(`EpochOrder.slices`). *With a CPU hog*: a busy-looping process pinned to the last "
+        "core. Baseline, in the same run: the same arithmetic on torch's intra-op pool at its "
+        "default size, as plans were computed before."
+    )
+    say()
+    say("| planned | idle | with a CPU hog | with the hog vs idle | range with the hog |")
+    say("|---|---:|---:|---:|---:|")
+    for mode, label in (
+        ("pool", "on torch's intra-op pool (baseline)"),
+        ("thread", "on the calling thread (the dataset's way)"),
+    ):
+        idle, busy = med[(mode, False)], med[(mode, True)]
+        low, high = min(times[(mode, True)]), max(times[(mode, True)])
+        say(
+            f"| {label} | {idle:.2f} s | {busy:.2f} s | {busy / idle:.1f}x | "
+            f"{low:.2f}-{high:.2f} s |"
+        )
+    say()
+    say(
+        f"With the hog: the calling thread's way takes "
+        f"{med[('thread', True)] / med[('pool', True)]:.2f}x the baseline's time "
+        f"(goal: at most 2 s; measured {med[('thread', True)]:.2f} s)."
+    )
+    say()
+
+
+# -- warm epochs -------------------------------------------------------------------------------
+
+
+def timed(loader: DataLoader[object], expected: int) -> tuple[float, float]:
+    """Wall seconds and this process's CPU seconds (all its threads) for one epoch."""
+    cpu = time.process_time()
+    wall = epoch(loader, expected)  # type: ignore[arg-type]
+    return wall, time.process_time() - cpu
+
+
+def run_warm(tmp: Path, objects: int, size: int, workers_list: list[int], say: Say) -> None:
+    """Warm epochs from the disk tier (dataset 3x the memory tier) against plain files in
+    the same DataLoader, and from a memory tier holding the dataset against a list."""
+    source = tmp / "source"
+    contents = {f"{i // 1000}/{i:05d}.bin": os.urandom(size) for i in range(objects)}
+    for key, data in contents.items():
+        (source / key).parent.mkdir(parents=True, exist_ok=True)
+        (source / key).write_bytes(data)
+    paths = [source / key for key in contents]
+    total = objects * size
+    say(
+        f"### Warm epochs: {objects} objects of {size / 1000:.0f} KB ({total / 1e6:,.0f} MB), "
+        f"batch {BATCH}, same decode and collate (`torch.stack`) on both sides"
+    )
+    say()
+    say(
+        "Each row alternates 3 warm epochs of StreamingDataset (shuffled, after a cold one) "
+        "with 3 of the baseline in the same DataLoader, and gives medians. *From disk*: "
+        "memory tier a third of the dataset, the rest from the disk tier; baseline a dataset "
+        "of shuffled `open().read()` of the same files. *From memory*: memory tier larger "
+        "than the dataset; baseline the samples in a list in memory. CPU: this process's "
+        "CPU seconds per epoch, all threads (with workers, the main process only)."
+    )
+    say()
+    say(
+        "| served from | num_workers | warm samples/s | baseline samples/s | warm vs baseline "
+        "| goal | CPU s per epoch | baseline CPU s | CPU vs baseline |"
+    )
+    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    goals = {("disk", 0): 0.8, ("disk", 2): 0.95, ("memory", 0): 0.9, ("memory", 2): 0.9}
+    for where, memory in (("disk", total // 3), ("memory", 2 * total)):
+        for workers in workers_list:
+            ds: StreamingDataset[object] = StreamingDataset(
+                source,
+                cache_dir=tmp / f"cache-{where}-{workers}",
+                memory_bytes=memory,
+                disk_bytes=1 << 30,
+                shuffle=True,
+                batch_size=BATCH,
+                decode=as_tensor,
+            )
+            loader = loader_for(ds, workers)  # type: ignore[arg-type]
+            epoch(loader, len(ds))  # cold: fills the tiers
+            listed = loader_for(InMemory(list(contents.items())), workers)
+            ours, theirs = [], []
+            for number in range(1, 4):
+                ds.set_epoch(number)
+                ours.append(timed(loader, len(ds)))  # type: ignore[arg-type]
+                if where == "disk":
+                    plain = loader_for(PlainFiles(paths, number), workers)
+                    theirs.append(timed(plain, objects))  # type: ignore[arg-type]
+                else:
+                    theirs.append(timed(listed, objects))  # type: ignore[arg-type]
+            ds.close()
+            warm = objects / statistics.median(w for w, _ in ours)
+            base = objects / statistics.median(w for w, _ in theirs)
+            cpu = statistics.median(c for _, c in ours)
+            base_cpu = statistics.median(c for _, c in theirs)
+            goal = goals.get((where, workers))
+            say(
+                f"| {where} | {workers} | {warm:,.0f} | {base:,.0f} | {warm / base:.2f}x | "
+                f"{f'>= {goal:.2f}x' if goal else ''} | {cpu:.3f} | {base_cpu:.3f} | "
+                f"{cpu / base_cpu:.2f}x |"
+            )
+    say()
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keys", type=int, default=10_000_000, help="keys in the planned epoch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--plan", action="store_true", help="only the planning part")
+    parser.add_argument("--warm", action="store_true", help="only the warm epochs")
+    parser.add_argument("--objects", type=int, default=4000)
+    parser.add_argument("--object-size", type=int, default=50_000)
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch's intra-op threads in the main process for the warm epochs (its default "
+        "if not given): the collate runs on them, on both sides",
+    )
+    parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
+    parser.add_argument("--plan-child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plan_child:
+        mode, count = args.plan_child
+        print(json.dumps(plan_child(mode, int(count))))
+        return 0
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    say(f"Machine: {machine()}")
+    say()
+    if not args.warm:
+        run_plan(args.keys, args.repeats, say)
+    if not args.plan:
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        say(f"Warm epochs with torch's intra-op pool at {torch_threads()} threads.")
+        say()
+        with tempfile.TemporaryDirectory(prefix="bench-epoch-") as tmp:
+            run_warm(Path(tmp), args.objects, args.object_size, args.workers, say)
+    if args.write:
+        record("bench_epoch", "An epoch's cost on the training node", lines)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
