@@ -183,12 +183,12 @@ def run_warm(tmp: Path, objects: int, size: int, workers_list: list[int], say: S
             ours, theirs = [], []
             for number in range(1, 4):
                 ds.set_epoch(number)
-                ours.append(timed(loader, len(ds)))  # type: ignore[arg-type]
+                ours.append(timed(loader, len(ds)))
                 if where == "disk":
                     plain = loader_for(PlainFiles(paths, number), workers)
-                    theirs.append(timed(plain, objects))  # type: ignore[arg-type]
+                    theirs.append(timed(plain, objects))
                 else:
-                    theirs.append(timed(listed, objects))  # type: ignore[arg-type]
+                    theirs.append(timed(listed, objects))
             ds.close()
             warm = objects / statistics.median(w for w, _ in ours)
             base = objects / statistics.median(w for w, _ in theirs)
