@@ -9,7 +9,14 @@ import threading
 from typing import IO, Any
 
 from .._concurrency import shield, to_thread
-from ..errors import AsyncStoreError, InvalidArgument, InvalidTarget, InvalidURL, NotFound
+from ..errors import (
+    AsyncStoreError,
+    IntegrityError,
+    InvalidArgument,
+    InvalidTarget,
+    InvalidURL,
+    NotFound,
+)
 from ..stores import (
     CleansUpWrites,
     LocalFiles,
@@ -56,6 +63,15 @@ class Source:
 
     async def read(self, start: int, end: int) -> bytes:
         raise NotImplementedError
+
+    async def read_into(self, start: int, out: list[memoryview]) -> None:
+        """The bytes from ``start`` into ``out`` (views whose lengths add up to the range)."""
+        data = memoryview(await self.read(start, start + sum(v.nbytes for v in out)))
+        for view in out:
+            if len(data) < view.nbytes:
+                raise IntegrityError(f"{self.url} ends before the bytes asked for")
+            view[:] = data[: view.nbytes]
+            data = data[view.nbytes :]
 
     def sibling(self, name: str) -> Source:
         """The object ``name`` (a key relative to this one's directory) in the same place.
@@ -407,6 +423,12 @@ class StoreSource(Source):
         if isinstance(self._store, PinnedReads) and self._etag is not None:
             return await self._store.get_pinned(self._key, start, end, self._etag)
         return await self._store.get(self._key, start, end)
+
+    async def read_into(self, start: int, out: list[memoryview]) -> None:
+        if isinstance(self._store, PinnedReads) and self._etag is not None:
+            await self._store.get_pinned_into(self._key, start, out, self._etag)
+            return
+        await super().read_into(start, out)
 
     async def aclose(self) -> None:
         with self._fd_lock:

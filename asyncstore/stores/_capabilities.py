@@ -79,6 +79,17 @@ class PinnedReads(Protocol):
         """
         ...
 
+    async def get_pinned_into(
+        self, key: str, start: int, out: list[memoryview], etag: str | None
+    ) -> None:
+        """As :meth:`get_pinned` from ``start``, into ``out`` (views whose lengths add up to
+        the range) as the bytes arrive: no copy of the whole range in between.
+
+        Raises:
+            StoreError: the object was replaced since (its ETag changed).
+        """
+        ...
+
 
 @runtime_checkable
 class CheckedUploads(Protocol):

@@ -181,6 +181,42 @@ class SignedRequests:
                 raise _error(response.status, body)
             return body, dict(response.headers)
 
+    async def get_into(
+        self, key: str, start: int, out: list[memoryview], if_match: str | None
+    ) -> tuple[int, Mapping[str, str]]:
+        """GET bytes of ``key`` from ``start`` straight into ``out`` (views whose lengths add
+        up to the range): each block received is copied once, into place.
+
+        Returns how many bytes arrived (the caller checks it against the range and
+        ``Content-Range``) and the response headers. Raises :class:`S3HTTPError` for an
+        error answer and aiohttp's errors for connection failures; more bytes than
+        ``out`` holds raise ``OverflowError``.
+        """
+        end = start + sum(view.nbytes for view in out)
+        url = self._base + quote(key, safe="/~")
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if if_match:
+            headers["If-Match"] = f'"{if_match}"'
+        signed = await self._signed("GET", url, headers)
+        async with self._session.get(yarl.URL(url, encoded=True), headers=signed) as response:
+            if response.status >= 300:
+                raise _error(response.status, await response.read())
+            got = 0
+            views, index, at = out, 0, 0
+            async for block in response.content.iter_any():
+                piece = memoryview(block)
+                got += len(piece)
+                while piece:
+                    if index == len(views):
+                        raise OverflowError(f"more than the {end - start} bytes asked for")
+                    view = views[index]
+                    n = min(view.nbytes - at, len(piece))
+                    view[at : at + n] = piece[:n]
+                    piece, at = piece[n:], at + n
+                    if at == view.nbytes:
+                        index, at = index + 1, 0
+            return got, response.headers.copy()
+
     async def put(
         self,
         key: str,

@@ -94,6 +94,52 @@ class S3Store(S3StoreBase):
         self._check_open()
         return await self._get(check_key(key, self.url), start, end, pin=etag)
 
+    async def get_pinned_into(
+        self, key: str, start: int, out: list[memoryview], etag: str | None
+    ) -> None:
+        """Bytes of exactly the version ``etag`` from ``start`` into ``out`` (views whose
+        lengths add up to the range), with one copy: from each block received into place.
+        Ranges of ``part_bytes`` go in parallel, as a large ``get``'s do.
+
+        Raises:
+            StoreError: the object was replaced since (its ETag changed).
+            NotFound: the range lies past the object's end, or the object is gone.
+        """
+        self._check_open()
+        key = check_key(key, self.url)
+        pieces = _split(out, start, self._config.part_bytes)
+
+        async def fetch(piece: tuple[int, list[memoryview]]) -> None:
+            await self._range_into(key, piece[0], piece[1], etag)
+
+        try:
+            await bounded_map(fetch, pieces, limit=len(pieces), name="get range")
+        except Precondition as exc:
+            raise self._replaced(key) from exc
+
+    async def _range_into(
+        self, key: str, start: int, out: list[memoryview], etag: str | None
+    ) -> None:
+        want = sum(view.nbytes for view in out)
+
+        async def attempt(_: Any) -> None:
+            assert self._fast is not None
+            try:
+                got, headers = await self._fast.get_into(self._root + key, start, out, etag)
+            except S3HTTPError as exc:
+                if exc.code == "PreconditionFailed" or exc.status == 412:
+                    raise Precondition from exc
+                if exc.code == "InvalidRange" or exc.status == 416:
+                    raise NotFound(f"{self.where(key)} ends before byte {start}") from exc
+                raise
+            except OverflowError as exc:
+                raise ShortBody(f"asked for {want} bytes from {start}: {exc}") from exc
+            if got != want or headers.get("Content-Range") is None:
+                raise ShortBody(f"asked for {want} bytes from {start}, got {got}")
+            check_body(got, start, headers.get("Content-Range"), None)
+
+        await self._call(key, "get", attempt)
+
     async def _get(self, key: str, start: int, end: int | None, *, pin: str | None = None) -> bytes:
         if end is not None and start == end:
             await self._stat(key)  # an empty range still says whether the key exists
@@ -265,6 +311,27 @@ class S3Store(S3StoreBase):
 
     def _open_reader(self, key: str, chunk_bytes: int) -> BaseReader:
         return S3Reader(self, key, chunk_bytes)
+
+
+def _split(out: list[memoryview], start: int, part: int) -> list[tuple[int, list[memoryview]]]:
+    """``out`` (read from ``start``) cut into ranges of at most ``part`` bytes, each with the
+    views (or parts of views) it fills."""
+    pieces: list[tuple[int, list[memoryview]]] = []
+    current: list[memoryview] = []
+    at, room = start, part
+    begin = start
+    for view in out:
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        while view.nbytes:
+            n = min(room, view.nbytes)
+            current.append(view[:n])
+            view, room, at = view[n:], room - n, at + n
+            if room == 0:
+                pieces.append((begin, current))
+                current, room, begin = [], part, at
+    if current:
+        pieces.append((begin, current))
+    return pieces
 
 
 # Shown where users meet it (reprs, tracebacks: asyncstore.S3Store), whichever import
