@@ -41,9 +41,9 @@ Say = Callable[..., None]  # say(line="")
 # -- planning ----------------------------------------------------------------------------------
 
 
-def plan_child(mode: str, count: int) -> float:
-    """Seconds to plan an epoch of ``count`` keys in this (fresh) process: ``mode`` "thread"
-    as the dataset plans it, "pool" with the arithmetic on torch's intra-op pool."""
+def plan_child(mode: str, count: int) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads) to plan an epoch of ``count`` keys in this (fresh)
+    process: ``mode`` "thread" as the dataset plans it, "pool" on torch's intra-op pool."""
     import contextlib
 
     import torch
@@ -53,13 +53,13 @@ def plan_child(mode: str, count: int) -> float:
     if mode == "pool":
         _order.one_thread = contextlib.nullcontext  # type: ignore[assignment]
     threads = torch.get_num_threads()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     order = _order.EpochOrder(count, seed=0, epoch=0, shuffle=True, rank=0, world=1)
     planned = sum(len(part) for part in order.slices())
-    took = time.perf_counter() - started
+    took, used = time.perf_counter() - started, time.process_time() - cpu
     assert planned == count
     assert torch.get_num_threads() == threads  # the pool keeps its size
-    return took
+    return took, used
 
 
 def start_hog() -> subprocess.Popen[bytes]:
@@ -71,19 +71,20 @@ def start_hog() -> subprocess.Popen[bytes]:
     )
 
 
-def plan_once(mode: str, count: int) -> float:
+def plan_once(mode: str, count: int) -> tuple[float, float]:
     out = subprocess.run(
         [sys.executable, __file__, "--plan-child", mode, str(count)],
         capture_output=True,
         text=True,
         check=True,
     )
-    return float(json.loads(out.stdout.strip().splitlines()[-1]))
+    wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    return float(wall), float(cpu)
 
 
 def run_plan(count: int, repeats: int, say: Say) -> None:
     """Plan times, median of ``repeats`` fresh processes each, the modes alternating."""
-    times: dict[tuple[str, bool], list[float]] = {}
+    times: dict[tuple[str, bool], list[tuple[float, float]]] = {}
     for hog in (False, True):
         process = start_hog() if hog else None
         try:
@@ -95,7 +96,8 @@ def run_plan(count: int, repeats: int, say: Say) -> None:
             if process is not None:
                 process.kill()
                 process.wait()
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(wall for wall, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(used for _, used in v) for k, v in times.items()}
     say(f"### Planning an epoch of {count:,} keys (median of {repeats} fresh processes)")
     say()
     say(
@@ -105,17 +107,21 @@ def run_plan(count: int, repeats: int, say: Say) -> None:
         "default size, as plans were computed before."
     )
     say()
-    say("| planned | idle | with a CPU hog | with the hog vs idle | range with the hog |")
-    say("|---|---:|---:|---:|---:|")
+    say(
+        "| planned | idle | with a CPU hog | with the hog vs idle | range with the hog "
+        "| CPU s idle | CPU s with the hog |"
+    )
+    say("|---|---:|---:|---:|---:|---:|---:|")
     for mode, label in (
         ("pool", "on torch's intra-op pool (baseline)"),
         ("thread", "on the calling thread (the dataset's way)"),
     ):
         idle, busy = med[(mode, False)], med[(mode, True)]
-        low, high = min(times[(mode, True)]), max(times[(mode, True)])
+        walls = [wall for wall, _ in times[(mode, True)]]
         say(
             f"| {label} | {idle:.2f} s | {busy:.2f} s | {busy / idle:.1f}x | "
-            f"{low:.2f}-{high:.2f} s |"
+            f"{min(walls):.2f}-{max(walls):.2f} s | {cpu[(mode, False)]:.2f} | "
+            f"{cpu[(mode, True)]:.2f} |"
         )
     say()
     say(
