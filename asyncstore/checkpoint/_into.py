@@ -216,8 +216,9 @@ async def fill(
     meta: dict[int, int],
     url: str,
 ) -> None:
-    """Fill ``plan``'s tensors in place, one storage at a time: read it, copy its tensors
-    into their targets, let it go; then store ``plan``'s other values."""
+    """Fill ``plan``'s tensors in place: the storages an ``into`` tensor's memory holds
+    whole are read straight into it, all together; the others one at a time (read it, copy
+    its tensors into their targets, let it go); then store ``plan``'s other values."""
     refuse_meta(plan, meta)
     users: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for pair in plan.pairs:
@@ -228,12 +229,17 @@ async def fill(
                 target.copy_(loaded)
         else:
             users.setdefault(sid, []).append(pair)
+    direct: list[tuple[fmt.Storage, memoryview]] = []
+    staged: list[tuple[int, list[tuple[str, torch.Tensor, torch.Tensor]]]] = []
     for sid, pairs in users.items():
-        direct = _whole(pairs, by_id[sid])
-        if direct is not None:
-            # The target's own memory is the storage: read straight into it.
-            await reader.read_into(by_id[sid], direct)
-            continue
+        memory = _whole(pairs, by_id[sid])
+        if memory is None:
+            staged.append((sid, pairs))
+        else:
+            direct.append((by_id[sid], memory))  # the target's own memory is the storage
+    if direct:
+        await reader.read_into(direct)
+    for sid, pairs in staged:
         storage = (await reader.storages([by_id[sid]]))[sid]
         for _, loaded, target in pairs:
             offset, shape, stride = loaded.storage_offset(), tuple(loaded.shape), loaded.stride()

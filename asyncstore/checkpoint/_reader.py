@@ -381,14 +381,19 @@ class ChunkReader:
             out[entry.id] = whole[start : start + entry.nbytes]
         return out
 
-    async def read_into(self, entry: fmt.Storage, memory: memoryview) -> None:
-        """Read and verify ``entry``'s bytes straight into ``memory`` (exactly its size):
-        a tensor's own memory, with no buffer between (raw local chunks land there with
-        one ``preadv``). On an error, ``memory`` may hold some of the bytes."""
-        if len(memory) != entry.nbytes:
-            raise ValueError(f"read_into: {len(memory)} bytes for a {entry.nbytes}-byte storage")
-        await self.check_extents([entry])
-        await self._read(self._reads_into(entry, memory))
+    async def read_into(self, places: list[tuple[fmt.Storage, memoryview]]) -> None:
+        """Read and verify each entry's bytes straight into its ``memory`` (exactly its
+        size): a tensor's own memory, with no buffer between (raw chunks land there with
+        one ``preadv`` from a local file, as they arrive from S3). All in one read, so
+        consecutive storages go in one span and spans in parallel. On an error, the
+        memory may hold some of the bytes."""
+        for entry, memory in places:
+            if len(memory) != entry.nbytes:
+                raise ValueError(
+                    f"read_into: {len(memory)} bytes for a {entry.nbytes}-byte storage"
+                )
+        await self.check_extents([entry for entry, _ in places])
+        await self._read([t for entry, memory in places for t in self._reads_into(entry, memory)])
 
     def _reads_into(self, entry: fmt.Storage, memory: memoryview) -> list[ChunkRead]:
         targets = []

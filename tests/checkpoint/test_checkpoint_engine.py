@@ -255,9 +255,9 @@ async def test_into_reads_whole_storages_straight_into_the_targets(
     direct: list[str] = []
     read_into = ChunkReader.read_into
 
-    async def spy(self: ChunkReader, entry: Any, memory: memoryview) -> None:
-        direct.append(entry.name)
-        await read_into(self, entry, memory)
+    async def spy(self: ChunkReader, places: list[tuple[Any, memoryview]]) -> None:
+        direct.extend(entry.name for entry, _ in places)
+        await read_into(self, places)
 
     with pytest.MonkeyPatch.context() as patched:
         patched.setattr(ChunkReader, "read_into", spy)
