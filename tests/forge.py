@@ -15,6 +15,7 @@ import xxhash
 import zstandard
 
 from asyncstore.checkpoint import _format as fmt
+from asyncstore.checkpoint._planes import compress_planes, plane_width
 
 
 @dataclass
@@ -46,7 +47,12 @@ class Forged:
 
 
 def _encode(data: bytes, codec: str) -> bytes:
-    return data if codec == "raw" else fmt.compress(memoryview(data), codec, 3)
+    if codec == "raw":
+        return data
+    width = plane_width(codec)
+    if width:  # every plane a zstd frame (where zstd shrinks it)
+        return bytes(compress_planes(memoryview(data), width, (1 << width) - 1, 3))
+    return fmt.compress(memoryview(data), codec, 3)
 
 
 def forge(spec: Forged) -> bytes:

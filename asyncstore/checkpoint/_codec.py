@@ -4,7 +4,10 @@
 probe shrinks it enough *and* the encoders produce bytes faster than the target takes them
 (its write speed, measured by earlier saves to the same place), counting only the cores
 this process can have: the ranks of a multi-process job on one node (``LOCAL_WORLD_SIZE``)
-save at once and share them. Elements of 2 and 4 bytes are byte-shuffled before zstd.
+save at once and share them. Elements of 2 and 4 bytes are byte-shuffled before zstd; with
+"auto", floating-point ones (bf16, fp16, fp32) get the byte-plane codec instead (see
+._planes): zstd over the sign and exponent planes only, the mantissa planes stored raw,
+which leaves about the same bytes for a fraction of the work.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import xxhash
 
 from . import _format as fmt
 from ._pickle import SavedStorage
+from ._planes import compress_planes, plane_mask, plane_ratios, plane_width
 
 __all__ = ["ENCODERS", "Codecs", "Encoded", "Known", "Ref"]
 
@@ -29,6 +33,12 @@ _SMALL = 64 * 1024
 _PROBE = 128 * 1024
 # "auto" compresses a storage only if the probe shrank it to this fraction or less.
 _WORTH = 0.92
+# ... and only if the encoders, on the cores this process may count on, encode at least this
+# many times as fast as the target takes bytes. They share those cores with the writer (the
+# kernel's copies into the page cache; the upload's checksums and HTTP), the snapshot and
+# training, and the probe times 128 KiB: with less headroom than 2x a save could wait on
+# zstd, and a codec barely fast enough would flip with the machine's load from save to save.
+_HEADROOM = 2.0
 # Threads encoding segments at once: also bounds compressed output held in memory.
 ENCODERS = max(1, min(4, os.cpu_count() or 1))
 
@@ -100,7 +110,8 @@ class Codecs:
         # Until a save to this place has been measured: local disks and memory are fast,
         # object stores slow; compression pays where it produces bytes faster than these.
         self.bandwidth = _BANDWIDTH.get(where, 150e6 if object_store else 1.5e9)  # bytes/s
-        self._codecs: dict[int, str] = {}
+        # Per storage id: the codec "auto" chose, and for a plane codec the planes to compress.
+        self._codecs: dict[int, tuple[str, int]] = {}
         self._warm: set[str] = set()  # codecs probed once already in this save
 
     def record_speed(self, written: int, seconds: float) -> None:
@@ -110,19 +121,31 @@ class Codecs:
 
     def codec_for(self, storage: SavedStorage, data: memoryview) -> str:
         """The codec for ``data``, a chunk of ``storage``."""
+        return self._choose(storage, data)[0]
+
+    def _choose(self, storage: SavedStorage, data: memoryview) -> tuple[str, int]:
+        # The codec for ``data``, a chunk of ``storage``, and for a plane codec the planes
+        # to compress.
         if self.compression is None or len(data) < _SMALL:
-            return "raw"
+            return "raw", 0
         if any(fnmatch.fnmatchcase(storage.name, pattern) for pattern in self.exclude):
-            return "raw"
+            return "raw", 0
         width = storage.dtype.itemsize
         codec = f"zstd+shuffle{width}" if width in (2, 4) else "zstd"
         if self.compression == "zstd":
-            return codec
+            return codec, 0
         known = self._codecs.get(storage.id)
         if known is not None:
             return known
         # "auto": probe the first chunk we meet of this storage.
         sample = data[: min(len(data), _PROBE)]
+        mask = 0
+        if storage.dtype.is_floating_point and width in (2, 4):
+            codec = f"zstd+planes{width}"
+            mask = plane_mask(plane_ratios(sample, width, self.level))
+            if not mask:  # no plane shrinks: nothing to gain
+                self._codecs[storage.id] = ("raw", 0)
+                return "raw", 0
         # CPU time of this thread, not wall time: the question is how fast a core encodes,
         # and a busy machine (a training step, another save) would otherwise make zstd look
         # slow and flip the decision from run to run.
@@ -132,13 +155,19 @@ class Codecs:
         speed = 0.0
         for _ in range(1 if codec in self._warm else 2):
             started = time.thread_time()
-            ratio = len(fmt.compress(sample, codec, self.level)) / len(sample)
+            ratio = len(self._compress(sample, codec, mask)) / len(sample)
             speed = max(speed, len(sample) / max(time.thread_time() - started, 1e-6))
         self._warm.add(codec)
-        keeps_up = speed * min(ENCODERS, _cores()) >= 1.1 * self.bandwidth
-        decision = codec if ratio <= _WORTH and keeps_up else "raw"
+        keeps_up = speed * min(ENCODERS, _cores()) >= _HEADROOM * self.bandwidth
+        decision = (codec, mask) if ratio <= _WORTH and keeps_up else ("raw", 0)
         self._codecs[storage.id] = decision
         return decision
+
+    def _compress(self, data: memoryview, codec: str, mask: int) -> bytes | bytearray:
+        width = plane_width(codec)
+        if width:
+            return compress_planes(data, width, mask, self.level)
+        return fmt.compress(data, codec, self.level)
 
     def encode(self, storage: SavedStorage, raw: memoryview, known: Known | None = None) -> Encoded:
         """``raw``, a chunk of ``storage``, as it will be stored (in a worker thread); a
@@ -149,11 +178,12 @@ class Codecs:
             if ref is not None:
                 chunk = ref.chunk
                 return Encoded(chunk.codec, b"", chunk.stored_xxh3, raw_xxh3, ref)
-        codec = self.codec_for(storage, raw)
+        codec, mask = self._choose(storage, raw)
         if codec != "raw":
-            stored = fmt.compress(raw, codec, self.level)
+            stored = self._compress(raw, codec, mask)
             if len(stored) < len(raw):
-                return Encoded(codec, stored, xxhash.xxh3_64_intdigest(stored), raw_xxh3)
+                view = memoryview(stored)
+                return Encoded(codec, view, xxhash.xxh3_64_intdigest(view), raw_xxh3)
         return Encoded("raw", raw, raw_xxh3, raw_xxh3)
 
     def encode_structure(self, structure: bytes, offset: int) -> tuple[memoryview, fmt.Chunk]:

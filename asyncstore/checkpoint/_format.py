@@ -8,8 +8,9 @@ Layout (see docs/format.md)::
 - ``header``: the 8 bytes ``ASYNCKPT``, so that a damaged footer is told from another format.
 - ``structure``: the saved object, pickled with a persistent id for every tensor storage
   (stored raw or zstd-compressed, like a chunk).
-- chunks: the bytes of each storage, split every ``chunk_bytes``; each chunk is raw, zstd, or
-  zstd after a byte shuffle by element width.
+- chunks: the bytes of each storage, split every ``chunk_bytes``; each chunk is raw, zstd,
+  zstd after a byte shuffle by element width, or (version 3) split into byte planes of which
+  only those that compress are zstd frames (see ._planes).
 - ``manifest``: msgpack (msgspec) :class:`Manifest`: where every chunk lies, its codec, sizes and
   xxh3-64 digests, the user's metadata and a digest over all chunk digests.
 - ``footer``: :data:`FOOTER_SIZE` bytes, fixed: magic, format version, where the manifest
@@ -18,8 +19,12 @@ Layout (see docs/format.md)::
 Version 2 (differential saves) adds, in the manifest, the packs' keys (relative to the
 checkpoint's directory) and, per storage, which pack holds each chunk. A pack is
 ``ASYNCPAK`` followed by chunks; it has no manifest of its own and is never rewritten, so
-later checkpoints can point into it. A writer uses version 1 whenever no chunk lies in a
-pack, so that such checkpoints stay readable by every release.
+later checkpoints can point into it. Version 3 adds the byte-plane codecs
+(:data:`._planes.PLANE_CODECS`); a reader of version 2 refuses such a file by its footer,
+asking for an upgrade, rather than finding a codec it does not know. A writer uses the
+oldest version that holds what it writes (:func:`version_for`): version 1 whenever no chunk
+lies in a pack and none is plane-coded, so that such checkpoints stay readable by every
+release.
 
 Everything a load uses is covered by a checksum: the footer by its own, the manifest by the
 footer's, each chunk (and the structure) by the manifest's, checked before decoding and again
@@ -38,6 +43,7 @@ import xxhash
 import zstandard
 
 from ..errors import IntegrityError, UnsafeCheckpoint
+from ._planes import PLANE_CODECS, decode_planes, plane_width
 
 __all__ = [
     "FORMAT_VERSION",
@@ -57,11 +63,13 @@ __all__ = [
     "shuffle",
     "unshuffle",
     "CODECS",
+    "PLANE_CODECS",
+    "version_for",
 ]
 
 MAGIC = b"ASYNCKPT"
 PACK_MAGIC = b"ASYNCPAK"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 INLINE = -1  # a chunk's pack index when it lies in the checkpoint object itself
 # A pack's key, relative to the checkpoint's directory: a crafted manifest cannot point
 # a load anywhere else.
@@ -69,7 +77,7 @@ PACK_NAME = re.compile(r"^packs/[A-Za-z0-9][A-Za-z0-9._-]{0,200}\.pack$")
 _FOOTER = struct.Struct("<8sIIQQQ")  # magic, version, flags, manifest offset, length, xxh3
 FOOTER_SIZE = _FOOTER.size + 8  # + the footer's own xxh3-64
 
-CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8")
+CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8", *PLANE_CODECS)
 
 # The most a zstd frame can expand: a block decodes to at most 128 KiB and takes at least
 # 4 bytes (an RLE block: a 3-byte header and the byte repeated). A chunk claiming more raw
@@ -228,6 +236,10 @@ def decode_manifest(data: bytes, footer: Footer, where: str) -> Manifest:
         )
     if manifest.format < 2 and (manifest.packs or any(s.packs for s in manifest.storages)):
         raise IntegrityError(f"{where}: a version 1 manifest names packs")
+    if manifest.format < 3 and any(
+        c.codec in PLANE_CODECS for s in manifest.storages for c in s.chunks
+    ):
+        raise IntegrityError(f"{where}: a version {manifest.format} manifest names plane codecs")
     if digest_of(manifest) != manifest.digest:
         raise IntegrityError(f"{where}: the checkpoint's chunk digest does not match")
     _check_layout(manifest, footer.manifest_offset, where)
@@ -290,6 +302,14 @@ def _check_layout(manifest: Manifest, end: int, where: str) -> None:
     for key, used in (manifest.entries or {}).items():
         if not set(used) <= ids:
             raise IntegrityError(f"{where}: entry {key!r} names storages the manifest lacks")
+
+
+def version_for(packs: bool, codecs: set[str]) -> int:
+    """The oldest format version that holds a checkpoint with chunks in packs (``packs``)
+    and chunks of ``codecs``: every reader of that version or later reads it."""
+    if codecs & set(PLANE_CODECS):
+        return 3
+    return 2 if packs else 1
 
 
 def digest_of(manifest: Manifest) -> int:
@@ -375,7 +395,9 @@ def unshuffle(data: bytearray, width: int, out: memoryview) -> None:
 
 
 def compress(data: memoryview, codec: str, level: int) -> bytes:
-    """Encode ``data`` with ``codec`` (not "raw")."""
+    """Encode ``data`` with ``codec`` ("zstd" or "zstd+shuffle<width>"; the plane codecs
+    are encoded by :func:`._planes.compress_planes`)."""
+    assert codec not in PLANE_CODECS, codec
     width = _width(codec)
     payload: bytearray | memoryview = shuffle(data, width) if width else data
     return zstandard.ZstdCompressor(level=level).compress(payload)
@@ -395,6 +417,9 @@ def decode_into(stored: bytes | memoryview, codec: str, out: memoryview) -> None
         return
     if codec not in CODECS:
         raise IntegrityError(f"its codec {codec!r} is unknown")
+    if codec in PLANE_CODECS:
+        decode_planes(stored, plane_width(codec), out)
+        return
     width = _width(codec)
     target = bytearray(len(out)) if width else out
     try:

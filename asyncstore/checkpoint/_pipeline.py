@@ -418,7 +418,9 @@ class SaveJob:
                 pack.committed = True
         raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages if not s.meta)
         packs = list(data.packs)
-        version = 2 if packs else 1  # the oldest format that holds it: every reader reads it
+        # The oldest format that holds it: every reader of that version reads it.
+        codecs = {chunk.codec for chunks in data.chunks.values() for chunk in chunks}
+        version = fmt.version_for(bool(packs), codecs)
         manifest = fmt.Manifest(
             format=version,
             created=time.time(),
