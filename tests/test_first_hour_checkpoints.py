@@ -132,9 +132,9 @@ async def test_into_nested_reads_one_storage_at_a_time_straight_into_targets(
     direct: list[str] = []
     read_into = ChunkReader.read_into
 
-    async def spy(self: ChunkReader, entry: Any, memory: memoryview) -> None:
-        direct.append(entry.name)
-        await read_into(self, entry, memory)
+    async def spy(self: ChunkReader, places: list[tuple[Any, memoryview]]) -> None:
+        direct.extend(entry.name for entry, _ in places)
+        await read_into(self, places)
 
     into: dict[str, Any] = {"model": {"a": torch.zeros(1000), "b": torch.zeros(2000)}}
     with pytest.MonkeyPatch.context() as patched:
