@@ -169,11 +169,7 @@ class SignedRequests:
         received: a close-delimited body cut short by a middlebox looks complete to aiohttp,
         so the caller checks its length against ``Content-Range``/``Content-Length``.
         """
-        url = self._base + quote(key, safe="/~")
-        headers = {"Range": f"bytes={start}-{end - 1}"}
-        if if_match:
-            headers["If-Match"] = f'"{if_match}"'
-        signed = await self._signed("GET", url, headers)
+        url, signed = await self._ranged(key, start, end, if_match)
         # encoded=True: send the path exactly as signed; requoting would break the signature.
         async with self._session.get(yarl.URL(url, encoded=True), headers=signed) as response:
             body = await response.read()
@@ -193,11 +189,7 @@ class SignedRequests:
         ``out`` holds raise ``OverflowError``.
         """
         end = start + sum(view.nbytes for view in out)
-        url = self._base + quote(key, safe="/~")
-        headers = {"Range": f"bytes={start}-{end - 1}"}
-        if if_match:
-            headers["If-Match"] = f'"{if_match}"'
-        signed = await self._signed("GET", url, headers)
+        url, signed = await self._ranged(key, start, end, if_match)
         async with self._session.get(yarl.URL(url, encoded=True), headers=signed) as response:
             if response.status >= 300:
                 raise _error(response.status, await response.read())
@@ -248,6 +240,16 @@ class SignedRequests:
             if response.status >= 300:
                 raise _error(response.status, answer)
             return response.headers.copy()  # names in any case: "ETag", "Etag"
+
+    async def _ranged(
+        self, key: str, start: int, end: int, if_match: str | None
+    ) -> tuple[str, dict[str, str]]:
+        # The URL and signed headers of a GET of bytes [start, end) of ``key``.
+        url = self._base + quote(key, safe="/~")
+        headers = {"Range": f"bytes={start}-{end - 1}"}
+        if if_match:
+            headers["If-Match"] = f'"{if_match}"'
+        return url, await self._signed("GET", url, headers)
 
     async def _signed(
         self, method: str, url: str, headers: dict[str, str], payload: str | None = None
