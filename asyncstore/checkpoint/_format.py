@@ -43,7 +43,7 @@ import xxhash
 import zstandard
 
 from ..errors import IntegrityError, UnsafeCheckpoint
-from ._planes import PLANE_CODECS, decode_planes, plane_width
+from ._planes import PLANE_CODECS, decode_planes, plane_width, zstd_into
 
 __all__ = [
     "FORMAT_VERSION",
@@ -83,9 +83,6 @@ CODECS = ("raw", "zstd", "zstd+shuffle2", "zstd+shuffle4", "zstd+shuffle8", *PLA
 # 4 bytes (an RLE block: a 3-byte header and the byte repeated). A chunk claiming more raw
 # bytes than that cannot be genuine, whatever its checksums say.
 ZSTD_MAX_RATIO = (128 * 1024) // 4
-# Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
-# caps what a frame header may ask the decoder to allocate.
-_WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
 
 
 class Chunk(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -422,22 +419,7 @@ def decode_into(stored: bytes | memoryview, codec: str, out: memoryview) -> None
         return
     width = _width(codec)
     target = bytearray(len(out)) if width else out
-    try:
-        window = min(_WINDOW_MAX, max(_WINDOW_MIN, 1 << (len(out) - 1).bit_length()))
-        decompressor = zstandard.ZstdDecompressor(max_window_size=window)
-        with decompressor.stream_reader(stored) as reader:
-            got = 0
-            view = memoryview(target)
-            while got < len(view):
-                n = reader.readinto(view[got:])
-                if not n:
-                    break
-                got += n
-            extra = reader.read(1)
-    except zstandard.ZstdError as exc:
-        raise IntegrityError(f"zstd could not decode it ({exc})") from None
-    if got != len(out) or extra:
-        raise IntegrityError(f"it does not decode to the {len(out)} bytes expected")
+    zstd_into(stored, memoryview(target), "it")
     if width:
         assert isinstance(target, bytearray)
         unshuffle(target, width, out)

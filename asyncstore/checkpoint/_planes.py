@@ -27,7 +27,14 @@ import zstandard
 
 from ..errors import IntegrityError
 
-__all__ = ["PLANE_CODECS", "plane_width", "plane_ratios", "compress_planes", "decode_planes"]
+__all__ = [
+    "PLANE_CODECS",
+    "plane_width",
+    "plane_ratios",
+    "compress_planes",
+    "decode_planes",
+    "zstd_into",
+]
 
 PLANE_CODECS = ("zstd+planes2", "zstd+planes4")
 
@@ -37,6 +44,8 @@ _FRAME_MIN = 9
 # The probe compresses a plane only if zstd shrinks its sample to this fraction or less:
 # a mantissa plane comes out at 0.97-1.0 and would cost zstd's time for nothing.
 _PLANE_WORTH = 0.9
+# Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
+# caps what a frame header may ask the decoder to allocate.
 # Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
 # caps what a frame header may ask the decoder to allocate.
 _WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
@@ -205,15 +214,21 @@ def decode_planes(stored: bytes | memoryview, width: int, out: memoryview) -> No
             buffer[:] = view[position : position + count]
             position += count
         else:
-            _unzstd_into(view[position : position + length], memoryview(buffer))
+            zstd_into(view[position : position + length], memoryview(buffer), "a plane")
             position += length
         if count:
             _copy(planes[:, index], torch.frombuffer(buffer, dtype=torch.uint8))
     out[count * width :] = view[position:]
 
 
-def _unzstd_into(frame: memoryview, out: memoryview) -> None:
-    # One zstd frame into ``out``: exactly ``len(out)`` bytes, and not one more.
+def zstd_into(frame: bytes | memoryview, out: memoryview, what: str) -> None:
+    """One zstd frame into ``out``: exactly ``len(out)`` bytes and not one more, its window
+    bounded by ``out``'s size (a crafted frame cannot make the decoder allocate more).
+
+    Raises:
+        IntegrityError: the frame does not decode, or not to exactly ``len(out)`` bytes
+            (``what`` names the frame in the message).
+    """
     try:
         window = min(_WINDOW_MAX, max(_WINDOW_MIN, 1 << (len(out) - 1).bit_length()))
         decompressor = zstandard.ZstdDecompressor(max_window_size=window)
@@ -226,6 +241,6 @@ def _unzstd_into(frame: memoryview, out: memoryview) -> None:
                 got += n
             extra = reader.read(1)
     except zstandard.ZstdError as exc:
-        raise IntegrityError(f"zstd could not decode a plane ({exc})") from None
+        raise IntegrityError(f"zstd could not decode {what} ({exc})") from None
     if got != len(out) or extra:
-        raise IntegrityError(f"a plane does not decode to the {len(out)} bytes expected")
+        raise IntegrityError(f"{what} does not decode to the {len(out)} bytes expected")
