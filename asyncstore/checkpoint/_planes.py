@@ -46,8 +46,6 @@ _FRAME_MIN = 9
 _PLANE_WORTH = 0.9
 # Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
 # caps what a frame header may ask the decoder to allocate.
-# Decoding never needs a window larger than the output; zstd's own default limit (128 MiB)
-# caps what a frame header may ask the decoder to allocate.
 _WINDOW_MIN, _WINDOW_MAX = 1 << 10, 1 << 27
 
 
