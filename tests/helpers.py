@@ -1,11 +1,15 @@
-"""Comparisons that test modules of several folders share: a loaded state against the state
-that was saved, from its structure down to each tensor's bytes."""
+"""What test modules of several folders share: comparisons of a loaded state against the
+state that was saved, from its structure down to each tensor's bytes; and an error expected
+from a DataLoader's workers, with the workers shut down before the test goes on."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+import traceback
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
 import torch
 
 
@@ -60,3 +64,21 @@ def assert_same_bytes(got: Any, want: Any) -> None:
     """As :func:`assert_same`, and each tensor holds the same bytes (see :func:`same_bits`)
     with the same strides: for formats that promise a tensor back exactly as it was saved."""
     _walk(got, want, _equal_bytes, "")
+
+
+def raised_by_workers(loader: Iterable[Any], expected: type[BaseException], match: str) -> None:
+    """Iterate ``loader`` expecting ``expected`` (its message matching ``match``), then let the
+    loader's iterator go at once.
+
+    torch re-raises a worker's error from a frame that holds the error, whose traceback holds
+    that frame: a cycle that keeps the iterator, its workers and its queues alive until the
+    garbage collector runs. The collector then closes the queues (their finalizers run before
+    the iterator's ``__del__``) and the iterator's shutdown sends its stop message into a
+    closed queue: torch waits 5 s for each worker, in whichever later test the collector
+    happens to run. Clearing the traceback's frames breaks the cycle, so the iterator is freed
+    here and shuts its workers down the normal way."""
+    with pytest.raises(expected) as raised:
+        for _ in loader:
+            pass
+    assert re.search(match, str(raised.value)), str(raised.value)
+    traceback.clear_frames(raised.tb)

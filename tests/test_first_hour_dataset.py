@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader
 from asyncstore import InvalidArgument
 from asyncstore.torch import StreamingDataset
 
+from .helpers import raised_by_workers
+
 COUNT = 61
 
 
@@ -40,8 +42,7 @@ def test_a_loader_batch_size_other_than_the_datasets_is_named_in_a_warning(
     # reaches the training process as the DataLoader's error.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(UserWarning, match=r"batch_size=8\).*batch_size=4 and 2 workers"):
-            list(loader)
+        raised_by_workers(loader, UserWarning, r"batch_size=8\).*batch_size=4 and 2 workers")
     # The order it warns about: not the plan's.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -55,8 +56,7 @@ def test_a_loader_without_batches_is_batch_size_one(dataset_dir: Path) -> None:
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with pytest.raises(UserWarning, match=r"batch_size=4\).*batch_size=1 and 2 workers"):
-            list(loader)
+        raised_by_workers(loader, UserWarning, r"batch_size=4\).*batch_size=1 and 2 workers")
 
 
 @pytest.mark.parametrize("workers", [0, 1, 2])
