@@ -1,10 +1,14 @@
 """What the checkpoint tests share: states to save, a run's contents, loaded states compared
 down to the sharing of storages, forged checkpoints loaded, manifests rewritten with their
-checksums redone, and the process's peak memory."""
+checksums redone, the process's peak memory, and runs killed at a given moment."""
 
 from __future__ import annotations
 
+import multiprocessing
 import re
+import signal
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -172,3 +176,31 @@ def peak_rss() -> int:
 def reset_peak_rss() -> None:
     """Reset the peak that :func:`peak_rss` reports to the current resident memory."""
     Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
+
+
+# -- killed runs -------------------------------------------------------------------------------
+
+# Killed runs start from a server process that imported torch and asyncstore once: each run
+# is a fork of it (about 50 ms) instead of a new interpreter (about 2 s of imports here), and
+# starts as clean as one (the server runs nothing of the tests).
+_KILLED_RUNS = multiprocessing.get_context("forkserver")
+_KILLED_RUNS.set_forkserver_preload(["torch", "asyncstore.checkpoint"])
+
+
+def _run_script(source: str, argv: list[str]) -> None:
+    sys.argv = ["-c", *argv]
+    exec(compile(source, "<killed run>", "exec"), {"__name__": "__main__"})
+
+
+def run_until_killed(script: str, *argv: str) -> None:
+    """Run the Python source ``script`` with ``sys.argv[1:] == argv`` in a new process, which
+    must end killed by SIGKILL (no cleanup of any kind): the script arms its own timer. Its
+    output, on failure, is in the test's captured output."""
+    proc = _KILLED_RUNS.Process(target=_run_script, args=(textwrap.dedent(script), list(argv)))
+    proc.start()
+    proc.join(120)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"the killed run was still running after 120 s: {script[:200]}")
+    assert proc.exitcode == -signal.SIGKILL, f"the run ended with {proc.exitcode}, not killed"

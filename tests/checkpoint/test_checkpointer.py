@@ -6,10 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-import signal
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +21,7 @@ from asyncstore.checkpoint import Checkpointer, Version
 from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
-from .helpers import assert_tidy, contents, state_of
+from .helpers import assert_tidy, contents, run_until_killed, state_of
 
 pytestmark = pytest.mark.anyio
 
@@ -192,18 +188,6 @@ async def test_bad_calls_and_use_after_close(tmp_path: Path) -> None:
         await ckpt.save(state_of(0), 0)
 
 
-def run_until_killed(script: str, run: Path, delay: float) -> None:
-    """Run ``script`` on the run directory in a new process that kills itself after
-    ``delay`` seconds (SIGKILL: no cleanup of any kind)."""
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), str(run), str(delay)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-
-
 KILLED_SAVE = """
 import asyncio, os, signal, sys, threading
 import torch
@@ -225,7 +209,7 @@ asyncio.run(main())
 async def test_a_save_killed_at_any_moment_leaves_a_loadable_version(
     tmp_path: Path, delay: float
 ) -> None:
-    run_until_killed(KILLED_SAVE, tmp_path, delay)
+    run_until_killed(KILLED_SAVE, str(tmp_path), str(delay))
     async with Checkpointer(tmp_path) as ckpt:
         steps = [v.step for v in await ckpt.versions()]
         assert 1 in steps or 2 in steps
@@ -297,7 +281,7 @@ async def test_a_run_killed_during_saves_retention_and_gc_keeps_its_newest_versi
     # but versions.
     newest = -1
     for delay in (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
-        run_until_killed(KILLED_RUN, tmp_path, delay)
+        run_until_killed(KILLED_RUN, str(tmp_path), str(delay))
         async with Checkpointer(tmp_path, keep_last=2) as ckpt:
             versions = await ckpt.versions()
             if not versions:
@@ -444,20 +428,7 @@ async def test_a_mirrored_run_killed_during_uploads_loses_nothing(
     options = s3_options(seaweedfs)
     newest = -1
     for delay in (0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                textwrap.dedent(KILLED_MIRRORED_RUN),
-                str(local),
-                str(delay),
-                json.dumps([mirror, options]),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert proc.returncode == -signal.SIGKILL, proc.stderr
+        run_until_killed(KILLED_MIRRORED_RUN, str(local), str(delay), json.dumps([mirror, options]))
         async with Checkpointer(local, keep_last=2, mirror=mirror, mirror_options=options) as ckpt:
             versions = await ckpt.versions()  # first use: unfinished uploads resume
             if not versions:
