@@ -14,10 +14,18 @@ import asyncstore
 from asyncstore.stores import drop_memory_store
 from asyncstore.testing import FaultProxy, SeaweedFS
 
+from .helpers import write_samples
+
 BUCKET = "asyncstore-tests"
 MiB = 1 << 20
 
 STORE_KINDS = ["memory", "local", "s3"]
+
+
+@pytest.fixture
+def dataset_dir(tmp_path: Path) -> Path:
+    """The dataset tests' small dataset (``tests.helpers.SAMPLE_KEYS``) in a local directory."""
+    return write_samples(tmp_path / "data")
 
 
 @pytest.fixture(scope="session")

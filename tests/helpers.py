@@ -1,12 +1,14 @@
 """What test modules of several folders share: comparisons of a loaded state against the
-state that was saved, from its structure down to each tensor's bytes; and an error expected
-from a DataLoader's workers, with the workers shut down before the test goes on."""
+state that was saved, from its structure down to each tensor's bytes; the small dataset of
+the StreamingDataset tests; and an error expected from a DataLoader's workers, with the
+workers shut down before the test goes on."""
 
 from __future__ import annotations
 
 import re
 import traceback
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -82,3 +84,26 @@ def raised_by_workers(loader: Iterable[Any], expected: type[BaseException], matc
             pass
     assert re.search(match, str(raised.value)), str(raised.value)
     traceback.clear_frames(raised.tb)
+
+
+SAMPLES = 61
+"""Samples in the dataset tests' dataset: odd and prime, so no world size of 2 or 3 divides
+it and ranks' streams are padded."""
+
+SAMPLE_KEYS = [f"train/{i:04d}.bin" for i in range(SAMPLES)]
+"""Its keys, in their listed order; each sample's bytes are its key."""
+
+
+def write_samples(root: Path) -> Path:
+    """Write the dataset (:data:`SAMPLE_KEYS`) as files below ``root``; returns ``root``."""
+    for key in SAMPLE_KEYS:
+        path = root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(key.encode())
+    return root
+
+
+def key_of(key: str, data: bytes) -> str:
+    """A decode for that dataset: checks the sample's bytes and returns its key."""
+    assert data == key.encode()
+    return key

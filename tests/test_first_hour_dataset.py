@@ -13,24 +13,7 @@ from torch.utils.data import DataLoader
 from asyncstore import InvalidArgument
 from asyncstore.torch import StreamingDataset
 
-from .helpers import raised_by_workers
-
-COUNT = 61
-
-
-def key_of(key: str, data: bytes) -> str:
-    assert data == key.encode()
-    return key
-
-
-@pytest.fixture
-def dataset_dir(tmp_path: Path) -> Path:
-    root = tmp_path / "data"
-    for i in range(COUNT):
-        path = root / "train" / f"{i:04d}.bin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(f"train/{i:04d}.bin".encode())
-    return root
+from .helpers import SAMPLES, key_of, raised_by_workers
 
 
 def test_a_loader_batch_size_other_than_the_datasets_is_named_in_a_warning(
@@ -107,34 +90,34 @@ def test_each_epochs_figures_across_workers_reach_the_training_process(
     cold, warm = ds.epoch_stats(0), ds.epoch_stats(1)
     assert ds.stats() is None  # the training process read nothing itself
     # The cold epoch: every sample once, each read from the store.
-    assert (cold.epoch, cold.processes, cold.samples) == (0, 2, COUNT)
-    assert cold.store_fetches == COUNT
+    assert (cold.epoch, cold.processes, cold.samples) == (0, 2, SAMPLES)
+    assert cold.store_fetches == SAMPLES
     assert cold.store_bytes == sum(len(key) for key in ds.plan(0))
     assert cold.memory_hits == cold.disk_hits == 0
-    assert cold.memory_misses == cold.disk_misses == COUNT
+    assert cold.memory_misses == cold.disk_misses == SAMPLES
     assert cold.hit_rate == 0.0
     assert 0 < cold.store_latency_p50 <= cold.store_latency_p99
     # The warm epoch: no store read; a worker's memory tier holds what that worker read in
     # the cold epoch, the node's disk tier everything.
-    assert (warm.epoch, warm.processes, warm.samples) == (1, 2, COUNT)
+    assert (warm.epoch, warm.processes, warm.samples) == (1, 2, SAMPLES)
     assert warm.store_fetches == warm.store_bytes == warm.disk_misses == 0
-    assert warm.memory_hits + warm.disk_hits == COUNT
+    assert warm.memory_hits + warm.disk_hits == SAMPLES
     assert warm.hit_rate == 1.0
     assert warm.disk_hit_rate == (1.0 if warm.disk_hits else 0.0)  # 0.0: no disk reads
     before, after = worker_of(ds, 0, 4, 2), worker_of(ds, 1, 4, 2)
     same_worker = sum(1 for key in before if before[key] == after[key])
     assert warm.memory_hits == same_worker
-    assert warm.memory_hit_rate == same_worker / COUNT
+    assert warm.memory_hit_rate == same_worker / SAMPLES
     if not shuffle:
-        assert same_worker == COUNT  # the same order: each sample stays on its worker
+        assert same_worker == SAMPLES  # the same order: each sample stays on its worker
     else:
-        assert same_worker < COUNT  # dealt afresh: about half back on the same worker
+        assert same_worker < SAMPLES  # dealt afresh: about half back on the same worker
     # Each epoch's own, and every epoch's together.
     assert ds.epoch_stats() == warm
     everything = ds.totals()
     assert everything.epoch is None
-    assert everything.samples == 2 * COUNT
-    assert everything.store_fetches == COUNT
+    assert everything.samples == 2 * SAMPLES
+    assert everything.store_fetches == SAMPLES
     assert everything.memory_hits == warm.memory_hits
     del loader
 
@@ -146,15 +129,15 @@ def test_figures_of_an_epoch_not_kept_are_refused(dataset_dir: Path) -> None:
         ds.epoch_stats(1)
     for epoch in range(10):
         ds.set_epoch(epoch)
-        assert len(list(ds)) == COUNT
-        assert ds.epoch_stats().samples == COUNT
-    assert ds.epoch_stats(2).samples == COUNT
+        assert len(list(ds)) == SAMPLES
+        assert ds.epoch_stats().samples == SAMPLES
+    assert ds.epoch_stats(2).samples == SAMPLES
     with pytest.raises(InvalidArgument, match=r"epoch=1: no figures.*last 8"):
         ds.epoch_stats(1)
     with pytest.raises(InvalidArgument, match="epoch=-1"):
         ds.epoch_stats(-1)
     ds.set_epoch(9)  # the same epoch again: its figures add up
     list(ds)
-    assert ds.epoch_stats(9).samples == 2 * COUNT
-    assert ds.totals().samples == 11 * COUNT
+    assert ds.epoch_stats(9).samples == 2 * SAMPLES
+    assert ds.totals().samples == 11 * SAMPLES
     ds.close()

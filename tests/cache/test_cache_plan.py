@@ -40,6 +40,28 @@ def test_plan_tier_is_optimal_for_equal_sizes(keys: list[str], capacity: int) ->
     assert run(tier, keys) == belady_hits(keys, capacity)
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    stretches=st.lists(
+        st.tuples(st.sampled_from(["ab", "abc", "abcdefghij"]), st.integers(0, 150)),
+        max_size=5,
+    ),
+    capacity=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_long_runs_of_hits_between_evictions_stay_optimal(
+    stretches: list[tuple[str, int]], capacity: int, seed: int
+) -> None:
+    # Stretches of hits on a few keys (hundreds of reschedules, no eviction: the tier keeps
+    # no eviction order, or drops a stale one) between stretches over more keys than fit
+    # (the order is rebuilt when an eviction first needs it).
+    rng = random.Random(seed)
+    keys = [rng.choice(letters) for letters, length in stretches for _ in range(length)]
+    tier = PlanTier(capacity * 10)
+    tier.extend(keys)
+    assert run(tier, keys) == belady_hits(keys, capacity)
+
+
 @settings(max_examples=100, deadline=None)
 @given(keys=st.lists(st.sampled_from("abcdefgh"), max_size=60), piece=st.integers(1, 10))
 def test_plan_given_in_pieces(keys: list[str], piece: int) -> None:

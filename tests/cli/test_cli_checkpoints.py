@@ -18,6 +18,7 @@ from asyncstore.cli import main
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
+from .helpers import one_line_error
 
 
 def state(step: int) -> dict[str, Any]:
@@ -38,15 +39,6 @@ def flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err
-    return err
 
 
 def run_json(capsys: pytest.CaptureFixture[str], argv: list[str], status: int = 0) -> Any:

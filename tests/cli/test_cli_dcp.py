@@ -27,6 +27,7 @@ from asyncstore.cli import main
 
 from ..helpers import assert_same
 from ..ranks import SHARDED_SAVE_SCRIPT, spawn_ranks, wait_ranks
+from .helpers import one_line_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -37,14 +38,6 @@ def run_json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> Any:
     capsys.readouterr()
     assert main([*argv, "--json"]) == 0
     return json.loads(capsys.readouterr().out)
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *words: str) -> None:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err, err
 
 
 def option_args(options: dict[str, Any] | None) -> list[str]:

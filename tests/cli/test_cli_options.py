@@ -19,6 +19,7 @@ from asyncstore.cli._runs import store_options
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, unique
+from .helpers import one_line_error
 
 # Generated credentials are sometimes all digits; a leading zero would be lost to an int.
 ACCESS_KEY = "1234567890"
@@ -123,17 +124,6 @@ def test_each_value_is_read_as_the_type_of_its_option(
     for name, value in expected.items():
         assert getattr(config, name) == value
         assert type(getattr(config, name)) is type(value), name
-
-
-def one_line_error(capsys: pytest.CaptureFixture[str], *words: str) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1, err
-    for word in words:
-        assert word in err, err
-    # The text was typed as text: the message says what the option takes, not "got str".
-    assert "got str" not in err, err
-    return err
 
 
 def test_a_value_that_is_not_of_its_type_is_a_one_line_error(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,14 @@ import pytest
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
+from .helpers import close_datasets
+
+
+@pytest.fixture(autouse=True)
+def closed_datasets() -> Iterator[None]:
+    """Datasets a test registered with ``closed_after_test`` are closed when it ends."""
+    yield
+    close_datasets()
 
 
 @pytest.fixture(params=["local", "s3"])

@@ -1,13 +1,17 @@
-"""What the DCP plugin tests share: a small state saved and loaded by step, a run's files, and
-a damaged byte."""
+"""What the torch adapter tests share: a small state saved and loaded by step, a run's files,
+a damaged byte, and datasets closed when the test ends."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.distributed.checkpoint import state_dict_loader
+
+from asyncstore.torch import StreamingDataset
+
+D = TypeVar("D", bound=StreamingDataset[Any])
 
 
 def small(step: int) -> dict[str, Any]:
@@ -34,3 +38,20 @@ def flip_a_byte(path: Path, at: float = 1 / 3) -> None:
     data = bytearray(path.read_bytes())
     data[int(len(data) * at)] ^= 1
     path.write_bytes(bytes(data))
+
+
+# Datasets made by the running test: an iteration in this process opens a store and a cache,
+# which the folder's autouse fixture closes after the test.
+_open: list[StreamingDataset[Any]] = []
+
+
+def closed_after_test(ds: D) -> D:
+    """``ds``, registered to be closed when the running test ends."""
+    _open.append(ds)
+    return ds
+
+
+def close_datasets() -> None:
+    """Close the datasets registered by the test that just ended."""
+    while _open:
+        _open.pop().close()

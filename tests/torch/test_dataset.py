@@ -15,22 +15,7 @@ from asyncstore import InvalidArgument
 from asyncstore.testing import belady_hits
 from asyncstore.torch import StreamingDataset
 
-COUNT = 61  # odd on purpose: two ranks get uneven shards
-
-
-def key_of(key: str, data: bytes) -> str:
-    assert data == key.encode()
-    return key
-
-
-@pytest.fixture
-def dataset_dir(tmp_path: Path) -> Path:
-    root = tmp_path / "data"
-    for i in range(COUNT):
-        path = root / "train" / f"{i:04d}.bin"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(f"train/{i:04d}.bin".encode())
-    return root
+from ..helpers import SAMPLE_KEYS, SAMPLES, key_of
 
 
 def epoch_keys(ds: StreamingDataset[str], workers: int, context: str = "fork") -> list[str]:
@@ -48,7 +33,7 @@ def epoch_keys(ds: StreamingDataset[str], workers: int, context: str = "fork") -
 def test_every_sample_once_per_epoch_across_ranks_and_workers(
     dataset_dir: Path, tmp_path: Path
 ) -> None:
-    everything = {f"train/{i:04d}.bin" for i in range(COUNT)}
+    everything = set(SAMPLE_KEYS)
     orders = []
     for epoch in range(2):
         seen: list[str] = []
@@ -71,7 +56,7 @@ def test_every_sample_once_per_epoch_across_ranks_and_workers(
             seen += keys
         assert set(seen) == everything
         counts = collections.Counter(seen)
-        assert sorted(counts.values()) == [1] * (COUNT - 1) + [2]  # one padded repeat
+        assert sorted(counts.values()) == [1] * (SAMPLES - 1) + [2]  # one padded repeat
         orders.append(seen)
     assert orders[0] != orders[1]  # another epoch, another order
     again = StreamingDataset(
@@ -109,7 +94,7 @@ def test_a_listing_kept_by_an_earlier_version_is_converted_not_listed_again(
     if kept == "readable":
         assert sorted(ds.plan()) == listed  # converted: the directory was not listed
     else:
-        assert len(ds) == COUNT  # not a list of valid keys: listed again
+        assert len(ds) == SAMPLES  # not a list of valid keys: listed again
 
 
 def test_spawn_workers(dataset_dir: Path, tmp_path: Path) -> None:
@@ -121,20 +106,20 @@ def test_spawn_workers(dataset_dir: Path, tmp_path: Path) -> None:
 def test_no_workers_and_stats(dataset_dir: Path) -> None:
     ds: StreamingDataset[bytes] = StreamingDataset(dataset_dir, shuffle=True, seed=1)
     samples = list(ds)
-    assert len(samples) == COUNT
+    assert len(samples) == SAMPLES
     stats = ds.stats()
     assert stats is not None
-    assert stats.samples == COUNT
+    assert stats.samples == SAMPLES
     assert stats.prefetch is not None
-    assert stats.prefetch.items == COUNT
+    assert stats.prefetch.items == SAMPLES
     state = ds.state_dict()
-    assert (state["epoch"], state["consumed"], state["seed"]) == (0, COUNT, 1)
+    assert (state["epoch"], state["consumed"], state["seed"]) == (0, SAMPLES, 1)
 
 
 def memory_hits(ds: StreamingDataset[bytes], epochs: int) -> int:
     for epoch in range(epochs):
         ds.set_epoch(epoch)
-        assert len(list(ds)) == COUNT
+        assert len(list(ds)) == SAMPLES
     stats = ds.stats()
     assert stats is not None
     assert stats.cache is not None

@@ -12,7 +12,6 @@ samples as every other (DDP needs it).
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,8 +33,9 @@ from asyncstore.torch._datastate import (
 from asyncstore.torch._order import EpochOrder
 from asyncstore.torch._shard import per_rank
 
-COUNT = 61  # odd and prime: no world size of 2 or 3 divides it, so streams are padded
-KEYS = [f"train/{i:04d}.bin" for i in range(COUNT)]
+from ..helpers import SAMPLE_KEYS, SAMPLES, key_of
+from .helpers import closed_after_test
+
 BATCH = 4
 T = TypeVar("T")
 
@@ -143,56 +143,30 @@ def test_the_union_over_every_world_is_the_epoch_once_but_the_last_padding(
 
 
 def test_a_save_at_the_end_of_the_epoch_leaves_nothing_to_read() -> None:
-    state = make_state(Position(0), per_rank(COUNT, 2), 0, facts(COUNT, 0, 2, 1))
+    state = make_state(Position(0), per_rank(SAMPLES, 2), 0, facts(SAMPLES, 0, 2, 1))
     for world in (1, 2, 3):
-        position = read_state(state, facts(COUNT, 0, world, 1))
-        order = EpochOrder(COUNT, seed=5, epoch=0, shuffle=True, rank=0, world=world)
+        position = read_state(state, facts(SAMPLES, 0, world, 1))
+        order = EpochOrder(SAMPLES, seed=5, epoch=0, shuffle=True, rank=0, world=world)
         assert worker_stream(order, position, 1, 1) == []
 
 
 # -- datasets, read through DataLoader workers ---------------------------------------------
 
 
-def key_of(key: str, data: bytes) -> str:
-    assert data == key.encode()
-    return key
-
-
-@pytest.fixture
-def source(tmp_path: Path) -> Path:
-    root = tmp_path / "data"
-    for key in KEYS:
-        path = root / key
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(key.encode())
-    return root
-
-
-_made: list[StreamingDataset[str]] = []
-
-
-@pytest.fixture(autouse=True)
-def close_datasets() -> Iterator[None]:
-    yield
-    while _made:
-        _made.pop().close()
-
-
-def dataset(source: Path, rank: int, world: int, **options: Any) -> StreamingDataset[str]:
+def dataset(dataset_dir: Path, rank: int, world: int, **options: Any) -> StreamingDataset[str]:
     made: StreamingDataset[str] = StreamingDataset(
-        source,
-        keys=KEYS,
+        dataset_dir,
+        keys=SAMPLE_KEYS,
         shuffle=True,
         seed=3,
         decode=key_of,
         rank=rank,
         world_size=world,
         batch_size=options.pop("batch_size", BATCH),
-        cache_dir=source.parent / "cache",
+        cache_dir=dataset_dir.parent / "cache",
         **options,
     )
-    _made.append(made)
-    return made
+    return closed_after_test(made)
 
 
 def loader_keys(
@@ -207,19 +181,23 @@ def loader_keys(
     return keys
 
 
-def whole_order(source: Path, epoch: int) -> list[str]:
-    return dataset(source, 0, 1).plan(epoch)
+def whole_order(dataset_dir: Path, epoch: int) -> list[str]:
+    return dataset(dataset_dir, 0, 1).plan(epoch)
 
 
 def run_world(
-    source: Path, world: int, state: dict[str, int] | None, stop: int | None, batch: int = BATCH
+    dataset_dir: Path,
+    world: int,
+    state: dict[str, int] | None,
+    stop: int | None,
+    batch: int = BATCH,
 ) -> tuple[list[list[str]], dict[str, int] | None]:
     """Every rank of ``world`` reads epoch 1 through a DataLoader with two workers, from
     ``state`` (None: the epoch's start), for ``stop`` batches (None: to the end); their
     streams, and the state they save (the same on every rank)."""
     streams, states = [], []
     for rank in range(world):
-        ds = dataset(source, rank, world, batch_size=batch)
+        ds = dataset(dataset_dir, rank, world, batch_size=batch)
         if state is None:
             ds.set_epoch(1)
         else:
@@ -241,46 +219,46 @@ def run_world(
 
 @pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 3)])
 def test_a_job_resumes_at_another_world_size_reading_each_sample_once(
-    source: Path, before: int, after: int
+    dataset_dir: Path, before: int, after: int
 ) -> None:
-    order = whole_order(source, 1)
-    first, state = run_world(source, before, None, stop=3)
+    order = whole_order(dataset_dir, 1)
+    first, state = run_world(dataset_dir, before, None, stop=3)
     assert state is not None
     assert state["world_size"] == before
     assert [len(stream) for stream in first] == [3 * BATCH] * before
     # What the old world read is the first 3 * BATCH * before samples of the epoch.
     assert sorted(k for s in first for k in s) == sorted(order[: 3 * BATCH * before])
-    rest, _ = run_world(source, after, state, stop=None)
-    left = COUNT - 3 * BATCH * before
+    rest, _ = run_world(dataset_dir, after, state, stop=None)
+    left = SAMPLES - 3 * BATCH * before
     assert [len(stream) for stream in rest] == [-(-left // after)] * after
     reads = [k for s in first + rest for k in s]
-    assert collections.Counter(reads) == expected_reads(KEYS, order, len(reads))
+    assert collections.Counter(reads) == expected_reads(SAMPLE_KEYS, order, len(reads))
     # The next epoch is whole again, at the new world size.
-    nxt = dataset(source, 0, after)
+    nxt = dataset(dataset_dir, 0, after)
     nxt.set_epoch(2)
-    assert len(nxt.plan()) == len(nxt) == per_rank(COUNT, after)
+    assert len(nxt.plan()) == len(nxt) == per_rank(SAMPLES, after)
 
 
-def test_a_resumed_job_resumes_again_at_a_third_world_size(source: Path) -> None:
-    order = whole_order(source, 1)
-    first, state = run_world(source, 2, None, stop=2)
+def test_a_resumed_job_resumes_again_at_a_third_world_size(dataset_dir: Path) -> None:
+    order = whole_order(dataset_dir, 1)
+    first, state = run_world(dataset_dir, 2, None, stop=2)
     assert state is not None
-    second, state = run_world(source, 3, state, stop=1, batch=2)
+    second, state = run_world(dataset_dir, 3, state, stop=1, batch=2)
     assert state is not None
     assert (state["start"], state["consumed"], state["world_size"]) == (2 * BATCH * 2, 2, 3)
-    third, _ = run_world(source, 1, state, stop=None)
-    assert [len(stream) for stream in third] == [COUNT - 16 - 6]
+    third, _ = run_world(dataset_dir, 1, state, stop=None)
+    assert [len(stream) for stream in third] == [SAMPLES - 16 - 6]
     reads = [k for s in first + second + third for k in s]
-    assert sorted(reads) == KEYS  # each once: one rank last, so no padding
+    assert sorted(reads) == SAMPLE_KEYS  # each once: one rank last, so no padding
     assert order[:16] == sorted(first[0] + first[1], key=order.index)
 
 
-def test_every_ranks_states_are_checked_for_equal_counts(source: Path) -> None:
-    ds = [dataset(source, rank, 2) for rank in range(2)]
+def test_every_ranks_states_are_checked_for_equal_counts(dataset_dir: Path) -> None:
+    ds = [dataset(dataset_dir, rank, 2) for rank in range(2)]
     for each in ds:
         each.set_epoch(1)
     states = [ds[0].state_dict(consumed=8), ds[1].state_dict(consumed=4)]
-    one = dataset(source, 0, 1)
+    one = dataset(dataset_dir, 0, 1)
     with pytest.raises(InvalidArgument) as caught:
         one.load_state_dict(states)
     message = str(caught.value)
@@ -290,7 +268,7 @@ def test_every_ranks_states_are_checked_for_equal_counts(source: Path) -> None:
     states[1] = ds[1].state_dict(consumed=8)
     one.load_state_dict(states)
     assert one.state_dict()["start"] == 16
-    assert read_all(one) == whole_order(source, 1)[16:]
+    assert read_all(one) == whole_order(dataset_dir, 1)[16:]
     # States of the second format name their rank: each rank's, each once.
     old = [
         {k: v for k, v in state.items() if k != "start"} | {"version": 2, "rank": rank}
@@ -298,7 +276,7 @@ def test_every_ranks_states_are_checked_for_equal_counts(source: Path) -> None:
     ]
     with pytest.raises(InvalidArgument, match=r"states of ranks \[0, 0\] .*each once"):
         one.load_state_dict([old[0], old[0]])
-    again = dataset(source, 1, 2)
+    again = dataset(dataset_dir, 1, 2)
     again.load_state_dict(old)  # the same world: rank 1 goes on in its own stream
     assert again.state_dict()["consumed"] == 8
     with pytest.raises(InvalidArgument, match=r"differ in 'epoch' \(\[1, 0\], by rank\)"):
@@ -313,35 +291,35 @@ def read_all(ds: StreamingDataset[str]) -> list[str]:
         stream.close()  # type: ignore[attr-defined]
 
 
-def test_a_state_of_the_second_format_resumes_at_another_world_size(source: Path) -> None:
+def test_a_state_of_the_second_format_resumes_at_another_world_size(dataset_dir: Path) -> None:
     # What the last release saved, one state per rank: any rank's stands for the job's.
-    order = whole_order(source, 1)
-    saved = dataset(source, 1, 2).state_dict(consumed=12)
+    order = whole_order(dataset_dir, 1)
+    saved = dataset(dataset_dir, 1, 2).state_dict(consumed=12)
     old = {k: v for k, v in saved.items() if k != "start"} | {"version": 2, "rank": 1}
     old["epoch"] = 1
-    ds = dataset(source, 0, 1)
+    ds = dataset(dataset_dir, 0, 1)
     ds.load_state_dict(old)
     assert read_all(ds) == order[24:]
 
 
-def test_consumed_is_checked_against_the_saved_worlds_stream(source: Path) -> None:
-    state = dataset(source, 0, 2).state_dict(consumed=28)
+def test_consumed_is_checked_against_the_saved_worlds_stream(dataset_dir: Path) -> None:
+    state = dataset(dataset_dir, 0, 2).state_dict(consumed=28)
     with pytest.raises(InvalidArgument) as caught:
-        dataset(source, 0, 3).load_state_dict(dict(state, consumed=32 + BATCH))
+        dataset(dataset_dir, 0, 3).load_state_dict(dict(state, consumed=32 + BATCH))
     assert "state['consumed']=36: pass an int >= 0 and <= 31 (each of the 2 ranks' stream" in str(
         caught.value
     )
     # After a resume at another world size the rank's stream is the rest of the epoch.
-    ds = dataset(source, 0, 3)
+    ds = dataset(dataset_dir, 0, 3)
     ds.load_state_dict(state)
     assert ds.state_dict()["consumed"] == 0
     with pytest.raises(InvalidArgument, match=r"consumed=8: .*<= 2 \(this rank's stream of the"):
         ds.state_dict(consumed=8)
 
 
-def test_the_same_world_size_with_another_batch_size_needs_whole_batches(source: Path) -> None:
-    state = dataset(source, 0, 2, batch_size=4).state_dict(consumed=12)
+def test_the_same_world_size_with_another_batch_size_needs_whole_batches(dataset_dir: Path) -> None:
+    state = dataset(dataset_dir, 0, 2, batch_size=4).state_dict(consumed=12)
     with pytest.raises(InvalidArgument, match="consumed=12 is not a multiple of batch_size=8"):
-        dataset(source, 0, 2, batch_size=8).load_state_dict(state)
+        dataset(dataset_dir, 0, 2, batch_size=8).load_state_dict(state)
     # At another world size the stream begins anew: any batch size goes.
-    dataset(source, 0, 3, batch_size=8).load_state_dict(state)
+    dataset(dataset_dir, 0, 3, batch_size=8).load_state_dict(state)
