@@ -33,9 +33,11 @@ class PlanTier:
         self._uses: dict[str, deque[int]] = {}  # key -> upcoming plan positions, ascending
         self._planned = 0  # positions handed out so far
         # Max-heap of (-next use, tiebreak, key) over unpinned entries; stale items (whose
-        # next use changed or whose key left) are skipped when popped.
-        self._heap: list[tuple[float, int, str]] = []
-        self._next: dict[str, float] = {}
+        # next use changed or whose key left) are skipped when popped. None until an
+        # eviction needs it: while everything fits (a dataset the tier holds), a hit only
+        # records the key's next use.
+        self._heap: list[tuple[float, int, str]] | None = None
+        self._next: dict[str, float] = {}  # unpinned entry -> its next use
         self._tiebreak = 0
         self.used = 0
         self.pinned_used = 0
@@ -78,24 +80,35 @@ class PlanTier:
         if self._next.get(key) == when and key in self._values:
             return  # its heap item is still current
         self._next[key] = when
+        heap = self._heap
+        if heap is None:
+            return
         self._tiebreak += 1
-        heapq.heappush(self._heap, (-when, self._tiebreak, key))
-        if len(self._heap) > 2 * len(self._values) + 64:
-            # Stale items pile up between evictions on a hit-heavy run: rebuild from the
-            # current next uses so the heap stays proportional to the entries.
-            self._heap = [
-                (-self._next[k], i, k)
-                for i, k in enumerate(self._values)
-                if k not in self._pins and k in self._next
-            ]
-            heapq.heapify(self._heap)
+        heapq.heappush(heap, (-when, self._tiebreak, key))
+        if len(heap) > 2 * len(self._values) + 64:
+            # Stale items pile up between evictions on a hit-heavy run: drop them all; the
+            # next eviction rebuilds the heap from the current next uses.
+            self._heap = None
+
+    def _order(self) -> list[tuple[float, int, str]]:
+        # The heap, built from the entries' next uses if no eviction has needed it since
+        # it was last dropped (O(entries), once, then O(log entries) a change).
+        heap = self._heap
+        if heap is None:
+            first = self._tiebreak
+            heap = [(-when, first + i, key) for i, (key, when) in enumerate(self._next.items())]
+            heapq.heapify(heap)
+            self._tiebreak = first + len(heap)
+            self._heap = heap
+        return heap
 
     def _farthest(self) -> str | None:
-        while self._heap:
-            negative, _, key = self._heap[0]
+        heap = self._order()
+        while heap:
+            negative, _, key = heap[0]
             if key in self._values and key not in self._pins and self._next.get(key) == -negative:
                 return key
-            heapq.heappop(self._heap)
+            heapq.heappop(heap)
         return None
 
     # -- the map -----------------------------------------------------------------------------
@@ -126,7 +139,7 @@ class PlanTier:
             victim = self._farthest()
             if victim is None:
                 break
-            entry = heapq.heappop(self._heap)
+            entry = heapq.heappop(self._order())
             if not pinned and self._next[victim] <= mine:
                 skipped.append(entry)
                 break
@@ -135,7 +148,7 @@ class PlanTier:
             free += len(self._values[victim])
         if free < size:
             for entry in skipped:
-                heapq.heappush(self._heap, entry)
+                heapq.heappush(self._order(), entry)
             self.bypassed += 1
             return False
         for victim in victims:
@@ -145,7 +158,7 @@ class PlanTier:
             self.evictions += 1
         for entry in skipped:
             if entry[2] not in victims:
-                heapq.heappush(self._heap, entry)
+                heapq.heappush(self._order(), entry)
         self._values[key] = value
         self.used += size
         if pinned:
@@ -166,7 +179,7 @@ class PlanTier:
     def clear(self) -> None:
         """Remove every entry; the plan and pins stay."""
         self._values.clear()
-        self._heap.clear()
+        self._heap = None
         self._next.clear()
         self.used = self.pinned_used = 0
 
