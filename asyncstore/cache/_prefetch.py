@@ -221,6 +221,25 @@ class Prefetcher(AsyncResource):
         self._items += 1
         return key, data
 
+    def _take_ready(self, items: list[tuple[str, bytes]], most: int) -> None:
+        # Move the window's leading run of local items (bytes, not fetches) to ``items``,
+        # up to ``most``: _pop's bookkeeping once for the run.
+        window = self._window
+        taken = size = 0
+        while window and len(items) < most:
+            key, data = window[0]
+            if isinstance(data, asyncio.Future):
+                break
+            window.popleft()
+            items.append((key, data))
+            taken += 1
+            size += len(data)
+        self._items += taken
+        self._over += taken
+        self._ready_bytes -= size
+        self._waits.add_zeros(taken)
+        self._adapt()
+
     async def _next_key(self) -> str | None:
         if not self._ahead and not self._exhausted:
             await self._read_plan()
@@ -267,7 +286,7 @@ class Prefetcher(AsyncResource):
                     break
             elif self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
                 break
-            key = await self._next_key()
+            key = self._ahead.popleft() if self._ahead else await self._next_key()
             if key is None:
                 break
             self._fetched += 1
@@ -326,11 +345,15 @@ class Prefetcher(AsyncResource):
         than ``least`` items anyway (a DataLoader collecting a batch) saves the calls that
         would each bring a few. Fewer come back only at the end of the plan, or before a
         failed item (the next call raises its error); ``[]`` means the plan is done.
+
+        ``least=0`` never waits for a fetch: it gives the items ready now, stopping before
+        the first one in flight or failed, and ``[]`` may also mean that none is ready yet
+        (:attr:`closed` tells the end of the plan). Items it gives count as not waited for.
         """
         if isinstance(most, bool) or not isinstance(most, int) or most < 1:
             raise InvalidArgument(f"most={most!r}: pass a positive int")
-        if isinstance(least, bool) or not isinstance(least, int) or not 1 <= least <= most:
-            raise InvalidArgument(f"least={least!r}: pass an int from 1 to most={most}")
+        if isinstance(least, bool) or not isinstance(least, int) or not 0 <= least <= most:
+            raise InvalidArgument(f"least={least!r}: pass an int from 0 to most={most}")
         # Kept after the call: the background refill prepares the next take() as deep.
         self._want = most
         items: list[tuple[str, bytes]] = []
@@ -343,8 +366,11 @@ class Prefetcher(AsyncResource):
                     await self.aclose()  # the end of the plan
                     break
             head = self._window[0][1]
+            if not isinstance(head, asyncio.Future):
+                self._take_ready(items, most)  # a run of local items: no await per item
+                continue
             if (
-                items
+                (items or not least)
                 and isinstance(head, asyncio.Future)
                 and (
                     (not head.done() and len(items) >= least)
@@ -357,8 +383,10 @@ class Prefetcher(AsyncResource):
             item = await self._pop()
             if item is not None:
                 items.append(item)
-            if len(items) < least and self._state == "open":
-                await self._fill()  # waiting for the first items: keep fetches going
+            if len(items) < least and self._state == "open" and self._window:
+                head = self._window[0][1]
+                if isinstance(head, asyncio.Future) and not head.done():
+                    await self._fill()  # about to wait for it: keep fetches going meanwhile
         if self._state == "open":
             self._refill_soon()
         return items

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from itertools import repeat
 
 import msgspec
 
@@ -75,6 +76,10 @@ class LatencyWindow:
     def add(self, seconds: float) -> None:
         """Record one sample."""
         self._samples.append(seconds)
+
+    def add_zeros(self, count: int) -> None:
+        """Record ``count`` samples of no wait at all."""
+        self._samples.extend(repeat(0.0, min(count, self._samples.maxlen or count)))
 
     def percentiles(self) -> tuple[float, float, float]:
         """p50, p95 and p99 of the window (zeros when empty)."""

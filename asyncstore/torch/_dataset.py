@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -9,6 +10,7 @@ import multiprocessing
 import os
 import sys
 import warnings
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from pathlib import Path
 from types import FrameType
@@ -23,12 +25,13 @@ try:  # only to tell the DataLoader's batch size (see _loader_batch)
 except ImportError:  # pragma: no cover - a torch without it: the check is skipped
     _IterableDatasetFetcher = None  # type: ignore[assignment,misc]
 
+from .._concurrency import TaskSet
 from .._config import DatasetConfig, build
 from .._dirs import check_disk_dir
 from .._loop import run_sync
 from .._resource import track
 from ..cache import CacheStats, Prefetcher, TieredCache
-from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
+from ..errors import AsyncStoreError, InvalidArgument, InvalidKey, StoreClosed
 from ..metrics import WorkerFigures
 from ..stores import Store, check_key, open_store
 from ._datastate import (
@@ -426,7 +429,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             # in a cold epoch cost more CPU than the samples' own handling.
             least = min(self._batch, _BATCH)
             while True:
-                items = run_sync(session.next_batch(_BATCH, least))
+                items = session.next_batch(_BATCH, least)
                 published.tick()
                 if not items:
                     break
@@ -566,18 +569,71 @@ class _Connection:
 
 
 class _Session:
-    """One epoch's prefetcher over a process's cache."""
+    """One epoch's prefetcher over a process's cache, with the next batch staged ahead.
+
+    The consumer (the training loop or a DataLoader worker, on its own thread) takes a
+    staged batch without a trip to the loop: a trip wakes two threads, about 0.3 ms on a
+    small VM (5 µs a sample at 64 samples), more than a warm sample's own handling. The loop
+    stages the next batch from the items ready now (``take(least=0)`` never waits for a
+    fetch, so the prefetcher's waits and stalls stay the consumer's own); only when nothing
+    is staged does the consumer make a trip and wait. One batch at most is staged.
+    """
 
     def __init__(self, cache: TieredCache, prefetcher: Prefetcher, before: CacheStats) -> None:
         self.cache, self.prefetcher, self.before = cache, prefetcher, before
         self.samples = 0
+        self._loop = asyncio.get_running_loop()
+        self._staged: deque[list[tuple[str, bytes]]] = deque()  # appended on the loop only
+        self._taking = asyncio.Lock()  # one take at a time: batches keep the plan's order
+        self._tasks = TaskSet("a StreamingDataset iteration")
+        self._most = _BATCH
+        self._error: BaseException | None = None
 
-    async def next_batch(self, most: int, least: int) -> list[tuple[str, bytes]]:
-        items = await self.prefetcher.take(most, least=least)
+    def next_batch(self, most: int, least: int) -> list[tuple[str, bytes]]:
+        """The next items, at least ``least`` unless the plan ends (from the consumer's
+        thread); ``[]`` at the end of the plan."""
+        self._most = most
+        try:
+            items = self._staged.popleft()
+        except IndexError:
+            items = run_sync(self._take(most, least))
+        else:
+            self._loop.call_soon_threadsafe(self._stage)
         self.samples += len(items)
         return items
 
+    async def _take(self, most: int, least: int) -> list[tuple[str, bytes]]:
+        async with self._taking:
+            if self._error is not None:
+                raise self._error
+            # A batch staged while this call waited for the lock comes first.
+            items = self._staged.popleft() if self._staged else None
+            if items is None:
+                items = await self.prefetcher.take(most, least=least)
+        self._stage()
+        return items
+
+    def _stage(self) -> None:
+        # On the loop: stage the next batch, unless one is staged or being taken.
+        if not self._staged and not self._taking.locked() and not self.prefetcher.closed:
+            with contextlib.suppress(StoreClosed):  # the iteration is closing
+                self._tasks.spawn(self._stage_ready(), name="stage a batch")
+
+    async def _stage_ready(self) -> None:
+        async with self._taking:
+            if self._staged or self.prefetcher.closed:
+                return
+            try:
+                items = await self.prefetcher.take(self._most, least=0)
+            except Exception as exc:  # raised to the consumer by its next trip
+                self._error = exc
+                return
+            if items:
+                self._staged.append(items)
+
     async def close(self) -> DatasetStats:
+        await self._tasks.aclose()
+        self._staged.clear()
         await self.prefetcher.aclose()
         # Another worker may read in the next epoch what this one fetched at the end of
         # this one: put it on the shared disk tier before the epoch counts as done.

@@ -201,9 +201,44 @@ async def test_take_waits_for_least_items_per_call(slow: SlowStore) -> None:
             while batch := await prefetcher.take(16, least=12):
                 seen += [key for key, _ in batch]
     assert seen == plan[:30]  # what came before the failed key, then its error
-    for least in (0, 17, True):
+    for least in (-1, 17, True):
         with pytest.raises(InvalidArgument, match="least="):
             await Prefetcher(slow, plan).take(16, least=least)
+
+
+async def test_take_of_least_zero_never_waits_and_keeps_the_order(slow: SlowStore) -> None:
+    # least=0 gives what is ready now: nothing while the first fetches are in flight, then
+    # the items that arrived, in plan order, stopping before a failed key (whose error the
+    # next waiting call raises); [] with closed set is the end of the plan.
+    slow.delay, slow.jitter = 0.05, 0.0
+    plan = [f"k{i:03d}" for i in range(40)]
+    plan[25] = "missing"
+    seen: list[str] = []
+    async with Prefetcher(slow, plan, lookahead=8) as prefetcher:
+        assert await prefetcher.take(16, least=0) == []
+        assert prefetcher.stats().fetched > 0  # started fetches, came back without them
+        assert not prefetcher.closed
+        await anyio.sleep(0.1)
+        ready = await prefetcher.take(16, least=0)
+        assert 1 <= len(ready) <= 8
+        seen += [key for key, _ in ready]
+        while len(seen) < 25:
+            batch = await prefetcher.take(16, least=0)
+            seen += [key for key, _ in batch]
+            if not batch:
+                await anyio.sleep(0.02)
+        assert await prefetcher.take(16, least=0) == []  # the failed key is next
+        with pytest.raises(NotFound, match="missing"):
+            await prefetcher.take(16)
+    assert seen == plan[:25]
+    assert prefetcher.stats().stalls == 0  # nothing it gave was waited for
+    slow.delay = 0.0
+    async with Prefetcher(slow, ["k001", "k002"]) as prefetcher:
+        got: list[str] = []
+        while not prefetcher.closed:
+            got += [key for key, _ in await prefetcher.take(4, least=0)]
+            await anyio.sleep(0.001)
+    assert got == ["k001", "k002"]
 
 
 async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:

@@ -5,17 +5,19 @@ from __future__ import annotations
 import collections
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 from torch.utils.data import DataLoader
 
-from asyncstore import InvalidArgument
+from asyncstore import InvalidArgument, NotFound
 from asyncstore.testing import belady_hits
 from asyncstore.torch import StreamingDataset
 
 from ..helpers import SAMPLE_KEYS, SAMPLES, key_of
+from .helpers import closed_after_test
 
 
 def epoch_keys(ds: StreamingDataset[str], workers: int, context: str = "fork") -> list[str]:
@@ -114,6 +116,58 @@ def test_no_workers_and_stats(dataset_dir: Path) -> None:
     assert stats.prefetch.items == SAMPLES
     state = ds.state_dict()
     assert (state["epoch"], state["consumed"], state["seed"]) == (0, SAMPLES, 1)
+
+
+def test_a_warm_epoch_takes_staged_batches_without_trips_to_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While the consumer works on a batch, the loop stages the next from the memory tier:
+    # the consumer takes it without a trip (each costs two thread wake-ups). Same samples,
+    # same order.
+    from asyncstore import _loop
+    from asyncstore.torch import _dataset
+
+    keys = [f"s/{i:04d}" for i in range(640)]
+    for key in keys:
+        (tmp_path / "data" / key).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "data" / key).write_bytes(key.encode())
+    ds = closed_after_test(StreamingDataset(tmp_path / "data", shuffle=True, decode=key_of))
+    assert list(ds) == ds.plan(0)  # cold: fills the memory tier
+    trips = 0
+    run_sync = _loop.run_sync
+
+    def counted(coro: Any) -> Any:
+        nonlocal trips
+        trips += 1
+        return run_sync(coro)
+
+    monkeypatch.setattr(_dataset, "run_sync", counted)
+    ds.set_epoch(1)
+    got = []
+    for number, key in enumerate(ds):
+        got.append(key)
+        if number % 64 == 63:
+            time.sleep(0.005)  # the training step: the next batch is staged meanwhile
+    assert got == ds.plan(1)
+    # Opening, the first batch, closing (and at most one batch not staged in time), where
+    # a trip per batch would make 13.
+    assert trips <= 4, trips
+    stats = ds.stats()
+    assert stats is not None
+    assert stats.prefetch is not None
+    assert (stats.samples, stats.prefetch.items, stats.prefetch.stalls) == (640, 640, 0)
+
+
+def test_a_missing_sample_fails_at_its_place_after_every_sample_before_it(
+    dataset_dir: Path,
+) -> None:
+    keys = [*SAMPLE_KEYS[:40], "train/gone.bin", *SAMPLE_KEYS[40:]]
+    ds = closed_after_test(StreamingDataset(dataset_dir, keys=keys, decode=key_of))
+    got: list[str] = []
+    with pytest.raises(NotFound, match=r"gone\.bin"):
+        for key in ds:
+            got.append(key)
+    assert got == SAMPLE_KEYS[:40]
 
 
 def memory_hits(ds: StreamingDataset[bytes], epochs: int) -> int:
