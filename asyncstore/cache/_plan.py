@@ -54,22 +54,18 @@ class PlanTier:
 
     def extend(self, keys: Iterable[str]) -> None:
         """Append ``keys`` to the plan of upcoming reads."""
+        values, pins, known, next_use = self._values, self._pins, self._uses, self._next
         for key in keys:
-            uses = self._uses.get(key)
+            uses = known.get(key)
             if uses is None:
-                uses = self._uses[key] = deque()
+                uses = known[key] = deque()
             uses.append(self._planned)
             self._planned += 1
-            if key in self._values and key not in self._pins and self._next[key] == _NEVER:
-                self._schedule(key)
-
-    def _consume(self, key: str) -> None:
-        # This read is the key's nearest planned use: it is served now.
-        uses = self._uses.get(key)
-        if uses:
-            uses.popleft()
-            if not uses:
-                del self._uses[key]
+            if key in values and key not in pins and next_use[key] == _NEVER:
+                if self._heap is None:
+                    next_use[key] = uses[0]  # no eviction order to keep: just note it
+                else:
+                    self._schedule(key)
 
     def _next_use(self, key: str) -> float:
         uses = self._uses.get(key)
@@ -116,9 +112,16 @@ class PlanTier:
     def get(self, key: str) -> bytes | None:
         """The value, or ``None``; a hit consumes the key's nearest planned use."""
         value = self._values.get(key)
-        self._consume(key)
+        uses = self._uses.get(key)
+        if uses:
+            uses.popleft()  # this read is the key's nearest planned use
+            if not uses:
+                del self._uses[key]
         if value is not None and key not in self._pins:
-            self._schedule(key)
+            if self._heap is None:
+                self._next[key] = uses[0] if uses else _NEVER  # no eviction order to keep
+            else:
+                self._schedule(key)
         return value
 
     def put(self, key: str, value: bytes) -> bool:
