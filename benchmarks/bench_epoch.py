@@ -142,7 +142,9 @@ def timed(loader: DataLoader[object], expected: int) -> tuple[float, float]:
     return wall, time.process_time() - cpu
 
 
-def run_warm(tmp: Path, objects: int, size: int, workers_list: list[int], say: Say) -> None:
+def run_warm(
+    tmp: Path, objects: int, size: int, workers_list: list[int], repeats: int, say: Say
+) -> None:
     """Warm epochs from the disk tier (dataset 3x the memory tier) against plain files in
     the same DataLoader, and from a memory tier holding the dataset against a list."""
     source = tmp / "source"
@@ -158,12 +160,13 @@ def run_warm(tmp: Path, objects: int, size: int, workers_list: list[int], say: S
     )
     say()
     say(
-        "Each row alternates 3 warm epochs of StreamingDataset (shuffled, after a cold one) "
-        "with 3 of the baseline in the same DataLoader, and gives medians. *From disk*: "
-        "memory tier a third of the dataset, the rest from the disk tier; baseline a dataset "
-        "of shuffled `open().read()` of the same files. *From memory*: memory tier larger "
-        "than the dataset; baseline the samples in a list in memory. CPU: this process's "
-        "CPU seconds per epoch, all threads (with workers, the main process only)."
+        f"Each row alternates {repeats} warm epochs of StreamingDataset (shuffled, after a "
+        f"cold one) with {repeats} of the baseline in the same DataLoader, and gives medians. "
+        "*From disk*: memory tier a third of the dataset, the rest from the disk tier; "
+        "baseline a dataset of shuffled `open().read()` of the same files. *From memory*: "
+        "memory tier larger than the dataset; baseline the samples in a list in memory. CPU: "
+        "this process's CPU seconds per epoch, all threads (with workers, the main process "
+        "only)."
     )
     say()
     say(
@@ -187,7 +190,7 @@ def run_warm(tmp: Path, objects: int, size: int, workers_list: list[int], say: S
             epoch(loader, len(ds))  # cold: fills the tiers
             listed = loader_for(InMemory(list(contents.items())), workers)
             ours, theirs = [], []
-            for number in range(1, 4):
+            for number in range(1, repeats + 1):
                 ds.set_epoch(number)
                 ours.append(timed(loader, len(ds)))
                 if where == "disk":
@@ -255,7 +258,7 @@ def main() -> int:
         say(f"Warm epochs with torch's intra-op pool at {torch_threads()} threads.")
         say()
         with tempfile.TemporaryDirectory(prefix="bench-epoch-") as tmp:
-            run_warm(Path(tmp), args.objects, args.object_size, args.workers, say)
+            run_warm(Path(tmp), args.objects, args.object_size, args.workers, args.repeats, say)
     if args.write:
         record("bench_epoch", "An epoch's cost on the training node", lines)
     return 0
