@@ -188,13 +188,9 @@ class Prefetcher(AsyncResource):
         # Wait for the head of the window and take it; None for a key skipped after an error.
         key, task = self._window[0]
         if not isinstance(task, asyncio.Future):  # it was local: ready, nothing to wait for
-            self._over += 1
-            self._waits.add(0.0)
-            self._window.popleft()
-            self._adapt()
-            self._ready_bytes -= len(task)
-            self._items += 1
-            return key, task
+            items: list[tuple[str, bytes]] = []
+            self._take_ready(items, 1)
+            return items[0]
         waited = 0.0
         if task.done():
             self._over += 1
@@ -369,13 +365,9 @@ class Prefetcher(AsyncResource):
             if not isinstance(head, asyncio.Future):
                 self._take_ready(items, most)  # a run of local items: no await per item
                 continue
-            if (
-                (items or not least)
-                and isinstance(head, asyncio.Future)
-                and (
-                    (not head.done() and len(items) >= least)
-                    or (head.done() and not self._skip and head.exception())
-                )
+            if (items or not least) and (
+                (not head.done() and len(items) >= least)
+                or (head.done() and not self._skip and head.exception())
             ):
                 # Give what is ready now rather than wait, and what came before a failed
                 # key before its error (the next call raises it).
