@@ -186,27 +186,38 @@ class Prefetcher(AsyncResource):
 
     async def _pop(self) -> tuple[str, bytes] | None:
         # Wait for the head of the window and take it; None for a key skipped after an error.
-        key, task = self._window[0]
-        if not isinstance(task, asyncio.Future):  # it was local: ready, nothing to wait for
+        head = self._window[0][1]
+        if not isinstance(head, asyncio.Future):  # it was local: ready, nothing to wait for
             items: list[tuple[str, bytes]] = []
             self._take_ready(items, 1)
             return items[0]
-        waited = 0.0
-        if task.done():
+        waited = None if head.done() else await self._wait_for(head)
+        return await self._take_head(waited)
+
+    async def _wait_for(self, fetch: asyncio.Future[bytes]) -> float:
+        # Wait for the head's fetch without taking it (the caller looks at it again first),
+        # counting the wait and a stall once.
+        started = time.perf_counter()
+        await asyncio.wait([fetch])
+        waited = time.perf_counter() - started
+        self._wait += waited
+        if waited > _STALL_SECONDS:
+            self._stalls += 1
+            self._grow()
+        return waited
+
+    async def _take_head(self, waited: float | None) -> tuple[str, bytes] | None:
+        # Take the head, a finished fetch: its bytes, None when skipped after an error, or
+        # its error (closing). ``waited``: how long the consumer waited for it, None when it
+        # was ready before it was wanted.
+        key, fetch = self._window.popleft()
+        assert isinstance(fetch, asyncio.Future)  # the caller saw it done
+        if waited is None:
             self._over += 1
-        else:
-            started = time.perf_counter()
-            await asyncio.wait([task])
-            waited = time.perf_counter() - started
-            self._wait += waited
-            if waited > _STALL_SECONDS:
-                self._stalls += 1
-                self._grow()
-        self._waits.add(waited)
-        self._window.popleft()
+        self._waits.add(waited or 0.0)
         self._adapt()
         try:
-            data = task.result()
+            data = fetch.result()
         except Exception:
             if self._skip:
                 self._skipped += 1
@@ -355,6 +366,7 @@ class Prefetcher(AsyncResource):
         items: list[tuple[str, bytes]] = []
         if not self._open():
             return items
+        waited: float | None = None  # how long this call has waited for the head
         while len(items) < most:
             if not self._window:
                 await self._fill()
@@ -365,20 +377,20 @@ class Prefetcher(AsyncResource):
             if not isinstance(head, asyncio.Future):
                 self._take_ready(items, most)  # a run of local items: no await per item
                 continue
-            if (items or not least) and (
-                (not head.done() and len(items) >= least)
-                or (head.done() and not self._skip and head.exception())
-            ):
-                # Give what is ready now rather than wait, and what came before a failed
-                # key before its error (the next call raises it).
-                break
-            item = await self._pop()
+            if not head.done():
+                if len(items) >= least:
+                    break  # give what is ready now rather than wait
+                await self._fill()  # about to wait for it: keep fetches going meanwhile
+                waited = (waited or 0.0) + await self._wait_for(head)
+                if self._state != "open":
+                    break  # closed while waiting
+                continue  # look again: a failed head ends the call with what came before it
+            if (items or not least) and not self._skip and head.exception():
+                break  # what came before a failed key first; the next call raises its error
+            item = await self._take_head(waited)
+            waited = None
             if item is not None:
                 items.append(item)
-            if len(items) < least and self._state == "open" and self._window:
-                head = self._window[0][1]
-                if isinstance(head, asyncio.Future) and not head.done():
-                    await self._fill()  # about to wait for it: keep fetches going meanwhile
         if self._state == "open":
             self._refill_soon()
         return items

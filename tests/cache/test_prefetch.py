@@ -35,13 +35,15 @@ class SlowStore(MemoryStore):
         self.peak = 0
         self.reads = 0
         self.rng = random.Random(0)
+        self.key_delay: dict[str, float] = {}  # a longer latency for some keys
 
     async def _get(self, key: str, start: int, end: int | None) -> bytes:
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
         self.reads += 1
         try:
-            await anyio.sleep(self.delay + self.rng.random() * self.jitter)
+            delay = self.key_delay.get(key, self.delay)
+            await anyio.sleep(delay + self.rng.random() * self.jitter)
             return await super()._get(key, start, end)
         finally:
             self.inflight -= 1
@@ -204,6 +206,31 @@ async def test_take_waits_for_least_items_per_call(slow: SlowStore) -> None:
     for least in (-1, 17, True):
         with pytest.raises(InvalidArgument, match="least="):
             await Prefetcher(slow, plan).take(16, least=least)
+
+
+async def test_take_gives_what_it_collected_before_a_key_that_fails_while_it_waits(
+    slow: SlowStore,
+) -> None:
+    # The call has items in hand, needs more, and waits for a key whose fetch then fails:
+    # it returns the items it has, and the next call raises the error. The wait counts once.
+    slow.delay, slow.jitter = 0.0, 0.0
+    slow.key_delay["missing"] = 0.1
+    plan = [f"k{i:03d}" for i in range(20)]
+    plan[5] = "missing"
+    async with Prefetcher(slow, plan, lookahead=16) as prefetcher:
+        await anyio.sleep(0.02)  # everything but the failing key has arrived
+        batch = await prefetcher.take(16, least=12)
+        assert [key for key, _ in batch] == plan[:5]
+        assert prefetcher.stats().stalls == 1
+        with pytest.raises(NotFound, match="missing"):
+            await prefetcher.take(16, least=12)
+        assert prefetcher.closed
+    assert prefetcher.stats().stalls == 1
+    assert prefetcher.stats().items == 5
+    async with Prefetcher(slow, plan, lookahead=16, on_error="skip") as prefetcher:
+        batch = await prefetcher.take(16, least=12)  # skipped: the wait goes on past it
+        assert [key for key, _ in batch] == plan[:5] + plan[6:17]
+    assert prefetcher.stats().skipped == 1
 
 
 async def test_take_of_least_zero_never_waits_and_keeps_the_order(slow: SlowStore) -> None:
