@@ -19,11 +19,12 @@ record the tables in docs/benchmarks.md).
 changing between saves, full versions against differential ones (bytes written, time).
 
 ``--mirror`` runs only the comparison of a ``Checkpointer`` that commits to a local directory
-and then uploads to an S3 mirror, against ``asyncstore.save`` straight to S3 and to a local
-file (blocking time, local commit, time until the version is in S3), with a training
-simulation that checkpoints through the mirrored Checkpointer: a state of ``--mib`` MiB
-(default 256) or ``--gib`` GiB in ``--tensors`` fp32 tensors; ``--pin`` keeps the training
-thread and everything else on separate cores.
+and uploads to an S3 mirror (following the local write), against ``asyncstore.save``
+straight to S3 and to a local file (blocking time, local commit, time until the version is
+in S3), with a training simulation that checkpoints through the mirrored Checkpointer: a
+state of ``--mib`` MiB (default 256) or ``--gib`` GiB in ``--tensors`` fp32 tensors;
+``--pin`` keeps this process (training and asyncstore) and the SeaweedFS server on separate
+cores.
 """
 
 from __future__ import annotations
@@ -739,6 +740,7 @@ class MirrorBench:
             self.note("mirror checked", time.perf_counter() - started)
             stats = ckpt.stats()
             self.note("upload seconds", stats.last_upload_seconds)
+            self.note("early MiB", stats.bytes_uploaded_early / MiB)
             self.note("upload failures", stats.upload_failures)
         drop(local)
 
@@ -767,10 +769,9 @@ class MirrorBench:
         it, as it would in a longer run), the steps on each of ``thread_counts`` threads.
         The two kinds of run alternate, so that the machine's drift hits both alike.
 
-        ``pin`` (one training thread only): the training thread runs on the first core, and
-        every other thread of this process and of the SeaweedFS server on the others, as if
-        the S3 server were another machine and asyncstore had a core to itself."""
-        training = threading.get_native_id()
+        ``pin`` (one training thread only): this process (training and asyncstore alike)
+        runs on the first core, the SeaweedFS server on the others, as if the S3 server
+        were another machine: asyncstore's work then costs training its own core time."""
         everywhere = os.sched_getaffinity(0)
         first = min(everywhere)
 
@@ -782,7 +783,7 @@ class MirrorBench:
                     if cores is not None:
                         target = cores
                     else:
-                        target = {first} if tid == training else everywhere - {first}
+                        target = {first} if pid is None else everywhere - {first}
                     with contextlib.suppress(ProcessLookupError):  # a thread that ended
                         os.sched_setaffinity(tid, target or everywhere)
 
@@ -882,8 +883,8 @@ class MirrorBench:
             "until the call returned. *Local commit*: `await handle`. *In S3*: the version "
             "listed in S3 (`versions()` giving `where == 'both'`, asked every "
             f"{self.POLL_SECONDS * 1000:.0f} ms). "
-            "*Checked*: the mirror's copy checked (its ETag against the MD5 of what was "
-            "sent), counted in `stats().uploads`."
+            "*Checked*: the mirror's copy checked (the server's CRC32C of every part "
+            "against what was sent), counted in `stats().uploads`."
         )
         say()
         say("| save | blocking | local commit | in S3 | checked |")
@@ -903,8 +904,9 @@ class MirrorBench:
         )
         say()
         say(
-            f"The mirror's upload (`stats().last_upload_seconds`: copy and check) took "
-            f"{spread(res['upload seconds'])}; "
+            f"The mirror's upload (`stats().last_upload_seconds`: from the pack's start, "
+            f"during the save, to the version's check) took {spread(res['upload seconds'])}, "
+            f"{spread(res['early MiB'], 'MiB')} of it sent before the local commit; "
             f"{sum(res['upload failures']):.0f} upload attempts failed. Other processes "
             f"used {med('saves other cpu'):.1f} CPU seconds during these "
             f"{med('saves seconds'):.0f} s of saves (the machine's noise)."
@@ -937,8 +939,8 @@ class MirrorBench:
             "end: this process's (training and asyncstore), the SeaweedFS server's, which "
             "shares the same cores, and every other process's (the machine's noise)."
             + (
-                " Pinned: the training thread on one core, SeaweedFS and asyncstore's threads "
-                "on the other."
+                " Pinned: this process (training and asyncstore) on one core, SeaweedFS on "
+                "the other."
                 if pin
                 else ""
             )
@@ -1172,8 +1174,8 @@ def main() -> int:
     parser.add_argument(
         "--pin",
         action="store_true",
-        help="with --mirror --sim-threads 1: the training thread on one core, SeaweedFS and "
-        "asyncstore's threads on the others",
+        help="with --mirror --sim-threads 1: this process (training and asyncstore) on one "
+        "core, SeaweedFS on the others",
     )
     parser.add_argument(
         "--compression",
@@ -1218,8 +1220,9 @@ def main() -> int:
             )
             if args.write:
                 record(
-                    "bench_checkpoint_mirror",
-                    "Checkpoints: local first, then the mirror",
+                    "bench_checkpoint_mirror" + ("_pinned" if args.pin else ""),
+                    "Checkpoints: local first, then the mirror"
+                    + (" (training process and SeaweedFS pinned apart)" if args.pin else ""),
                     lines,
                     script="bench_checkpoint",
                 )

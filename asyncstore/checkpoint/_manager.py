@@ -42,6 +42,7 @@ from ._packs import PackBook, pack_name
 from ._runconfig import CheckpointerConfig, CheckpointerStats, VerifyReport
 from ._runview import RunView
 from ._save import build_save_config, save_packed, start_save
+from ._tail import Tail
 from ._versions import (
     CHAIN,
     SAVED,
@@ -257,6 +258,7 @@ class Checkpointer(AsyncResource):
         self._saving.add(key)
         pins: set[str] = set()
         lease: LeaseHolder | None = None
+        tail: Tail | None = None
         try:
             if config.differential:
                 pack = pack_name(key)
@@ -274,21 +276,28 @@ class Checkpointer(AsyncResource):
                     lease = LeaseHolder(self._store, pins | {key})
                     await lease.hold()
                 run = msgspec.structs.replace(run, metadata={**run.metadata, CHAIN: chain})
-                handle = await save_packed(state, self._store, key, pack, known, ids, run)
+                # The mirror uploads the new pack as it is written (see _tail).
+                tail = None if self._uploader is None else Tail(pack)
+                handle = await save_packed(state, self._store, key, pack, known, ids, run, tail)
             else:
                 lease = LeaseHolder(self._store, {key})
                 await lease.hold()
                 handle = await start_save(state, (self._store, key), run)
-        except BaseException:
+        except BaseException as exc:
+            if tail is not None:
+                tail.fail(exc)
+                tail.close()
             self._saving.discard(key)
             await self._packs.unpin(self._store, pins)
             if lease is not None:
                 await lease.release()
             raise
         handle._when_done(lambda task: self._count(task, step))
-        self._tasks.spawn(
-            self._after_commit(handle, step, key, pins, lease), name="retention", detached=True
-        )
+        if tail is not None and self._uploader is not None:
+            upload = self._uploader.tail(key, tail)
+            tail.upload = self._tasks.spawn(upload, name="mirror tail", detached=True)
+        after = self._after_commit(handle, step, key, pins, lease, tail)
+        self._tasks.spawn(after, name="retention", detached=True)
         return handle
 
     def _count(self, task: asyncio.Task[SaveResult], step: int) -> None:
@@ -307,19 +316,29 @@ class Checkpointer(AsyncResource):
         stats.bytes_skipped += result.skipped_bytes
 
     async def _after_commit(
-        self, handle: SaveHandle, step: int, key: str, pins: set[str], lease: LeaseHolder
+        self,
+        handle: SaveHandle,
+        step: int,
+        key: str,
+        pins: set[str],
+        lease: LeaseHolder,
+        tail: Tail | None,
     ) -> None:
         # The key stays in _saving until its upload ends: gc and the resumed uploads leave
         # it alone meanwhile.
         try:
             try:
                 await handle.wait()  # counted in the stats by _count
-            except BaseException:
+            except BaseException as exc:
+                if tail is not None:
+                    tail.fail(exc)
                 return  # the save's own error goes to whoever awaits its handle
             finally:
                 # Named by a committed version now (or never to be).
                 await self._packs.unpin(self._store, pins)
                 await lease.release()
+            if tail is not None:
+                await tail.finish()  # the pack's upload completes, the version's finds it
             if self._uploader is not None:
                 await self._uploader.upload(key, time.time())
         finally:
@@ -328,17 +347,9 @@ class Checkpointer(AsyncResource):
 
     def stats(self) -> CheckpointerStats:
         """A snapshot of what this checkpointer did: saves, blocking and total seconds,
-        bytes written and skipped, versions deleted."""
-        if self._uploader is None:
-            return msgspec.structs.replace(self._stats)
-        uploader = self._uploader
-        return msgspec.structs.replace(
-            self._stats,
-            uploads=uploader.uploads,
-            upload_failures=uploader.failures,
-            last_upload_seconds=uploader.last_seconds,
-            last_upload_lag_seconds=uploader.last_lag_seconds,
-        )
+        bytes written and skipped, versions deleted, uploads to the mirror."""
+        stats = msgspec.structs.replace(self._stats)
+        return stats if self._uploader is None else self._uploader.counted(stats)
 
     async def _retain(self) -> None:
         # After a save of this checkpointer, with its own policy. The version just saved

@@ -13,11 +13,14 @@ the mirror.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
+import msgspec
 import xxhash
 
 from .._concurrency import with_retries
@@ -26,6 +29,8 @@ from ..stores import CheckedUploads, Store
 from ._leases import LeaseHolder
 from ._packfile import PackId
 from ._packfile import whole as pack_whole
+from ._runconfig import CheckpointerStats
+from ._tail import Tail, Untailed
 
 if TYPE_CHECKING:
     from ._packs import PackBook
@@ -111,11 +116,22 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
         StoreUnavailable, StoreError: a store failed.
     """
     name = key if name is None else name
+    async with source.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader:
+        return await send_checked(target, name, reader, f"{source.url}/{key}")
+
+
+async def send_checked(target: Store, name: str, chunks: AsyncIterable[bytes], origin: str) -> int:
+    """Write ``chunks`` to ``target`` as ``name``, all at once or not at all, and check the
+    copy as :func:`copy_object` does; return its size. ``origin`` names where the bytes
+    come from, for the error.
+
+    An error from ``chunks`` aborts the write: nothing appears under ``name``.
+    """
     sent = xxhash.xxh3_64()
     size = 0
     writer = target.open_writer(name)
-    async with source.open_reader(key, chunk_bytes=COPY_CHUNK_BYTES) as reader, writer:
-        async for chunk in reader:
+    async with writer:
+        async for chunk in chunks:
             sent.update(chunk)
             size += len(chunk)
             await writer.write(chunk)
@@ -130,7 +146,7 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
     if read != size or back.intdigest() != sent.intdigest():
         await target.delete(name)
         raise IntegrityError(
-            f"{target.url}/{name}: the copy read back differs from {source.url}/{key} "
+            f"{target.url}/{name}: the copy read back differs from {origin} "
             f"({read} bytes against {size}); it was deleted and is uploaded again"
         )
     return size
@@ -159,6 +175,23 @@ class Uploader:
         self.failures = 0
         self.last_seconds = 0.0
         self.last_lag_seconds = 0.0
+        self.bytes = 0  # copied to the mirror, checked
+        self.early_bytes = 0  # of those, read back while their save was still writing
+        # A key whose pack the mirror took as it was written: when that began, and the pin
+        # and lease that keep the pack there (nothing names it yet) until the version is.
+        self._tailed: dict[str, tuple[float, contextlib.AsyncExitStack]] = {}
+
+    def counted(self, stats: CheckpointerStats) -> CheckpointerStats:
+        """``stats`` with this uploader's counters."""
+        return msgspec.structs.replace(
+            stats,
+            uploads=self.uploads,
+            upload_failures=self.failures,
+            last_upload_seconds=self.last_seconds,
+            last_upload_lag_seconds=self.last_lag_seconds,
+            bytes_uploaded=self.bytes,
+            bytes_uploaded_early=self.early_bytes,
+        )
 
     def renew(self, key: str) -> None:
         """``key`` is being saved again: its uploads may go ahead."""
@@ -175,29 +208,22 @@ class Uploader:
 
     async def upload(self, key: str, committed: float) -> bool:
         """Copy ``key`` (committed locally at ``committed``, Unix seconds) to the mirror,
-        retried with backoff; ``False`` when it gave up or was abandoned."""
+        retried with backoff; ``False`` when it gave up or was abandoned.
+
+        A version whose pack went to the mirror as it was written (:meth:`tail`) counts its
+        upload's time from the pack's start, and keeps the pack held there until now.
+        """
+        tailed, holding = self._tailed.pop(key, (None, contextlib.AsyncExitStack()))
+        async with holding:
+            return await self._upload(key, committed, tailed)
+
+    async def _upload(self, key: str, committed: float, tailed: float | None) -> bool:
         started = time.monotonic()
 
         async def attempt() -> bool:
             nonlocal started
             started = time.monotonic()
-            async with self._slot:
-                if key in self._abandoned:
-                    return False
-                task = asyncio.ensure_future(self._copy(key))
-                self._running[key] = task
-                self.uploading.add(key)
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if task.cancelled() and not (current and current.cancelling()):
-                        return False  # abandoned: the version is being deleted
-                    raise
-                finally:
-                    self.uploading.discard(key)
-                    del self._running[key]
-            return True
+            return await self._run(key, lambda: self._copy(key))
 
         def retrying(exc: Exception, attempt: int, delay: float) -> None:
             self.failures += 1
@@ -238,25 +264,88 @@ class Uploader:
         except _GaveUp:
             return False
         self.uploads += 1
-        self.last_seconds = time.monotonic() - started
+        self.last_seconds = time.monotonic() - (started if tailed is None else tailed)
         # Wall clock: a resumed upload's version was committed by an earlier process.
         self.last_lag_seconds = max(0.0, time.time() - committed)
         return True
 
-    async def _copy(self, key: str) -> None:
-        info = await self.local.stat(key)
-        manifest = await self._packs.manifest(self.local, key, info.size, (info.mtime, info.etag))
-        packs = set(manifest.packs)
-        # Copied before the version that names them: pinned there until it commits, and
-        # leased for other processes' collections and gc().
+    async def tail(self, key: str, tail: Tail) -> None:
+        """Upload the pack ``tail`` follows while the save of ``key`` writes it, reading the
+        local file back as it grows; the mirror's copy completes once the version commits
+        locally (:meth:`Tail.release`). The :meth:`upload` of ``key`` that follows then
+        finds the pack in the mirror and copies the version alone.
+
+        Never raises but a cancellation: a save that fails or writes no pack, an abandoned
+        key or a failing mirror leave the pack to :meth:`upload` (which retries and warns).
+        """
+        try:
+            await self._run(key, lambda: self._send_tail(key, tail))
+        except Untailed:
+            pass
+        except Exception as exc:  # the upload after the commit tries again, and warns
+            logger.info(
+                "uploading %s to the mirror %s while it was written failed (%s); it is "
+                "uploaded once its version commits",
+                tail.key,
+                self.mirror.url,
+                exc,
+            )
+        finally:
+            tail.close()
+
+    async def _run(self, key: str, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
+        # ``work`` for ``key`` in the upload slot, where abandon() can cancel it; False when
+        # it was abandoned (before it started, or cancelled by abandon()).
+        async with self._slot:
+            if key in self._abandoned:
+                return False
+            task = asyncio.ensure_future(work())
+            self._running[key] = task
+            self.uploading.add(key)
+            try:
+                await task
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if task.cancelled() and not (current and current.cancelling()):
+                    return False  # abandoned: the version is being deleted
+                raise
+            finally:
+                self.uploading.discard(key)
+                del self._running[key]
+        return True
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, key: str, packs: set[str]) -> AsyncIterator[None]:
+        # Packs being copied before the version that names them: pinned here until it
+        # commits there, and leased for other processes' collections and gc().
         self._packs.pin(self.mirror, packs)
         lease = LeaseHolder(self.mirror, packs | {key})
         try:
             await lease.hold()
-            await copy_version(self.local, self.mirror, key, manifest.packs, manifest.pack_ids)
+            yield
         finally:
             await self._packs.unpin(self.mirror, packs)
             await lease.release()
+
+    async def _send_tail(self, key: str, tail: Tail) -> None:
+        tail.check()  # a save that failed while this waited for the slot: nothing to send
+        started = time.monotonic()
+        async with contextlib.AsyncExitStack() as holding:
+            await holding.enter_async_context(self._holding(key, {tail.key}))
+            origin = f"{self.local.url}/{tail.key}"
+            size = await send_checked(self.mirror, tail.key, tail.chunks(COPY_CHUNK_BYTES), origin)
+            # Held on until the version's upload: a collection would take the pack meanwhile.
+            self._tailed[key] = (started, holding.pop_all())
+        self.bytes += size
+        self.early_bytes += tail.early_bytes
+
+    async def _copy(self, key: str) -> None:
+        info = await self.local.stat(key)
+        manifest = await self._packs.manifest(self.local, key, info.size, (info.mtime, info.etag))
+        async with self._holding(key, set(manifest.packs)):
+            self.bytes += await copy_version(
+                self.local, self.mirror, key, manifest.packs, manifest.pack_ids
+            )
         # Deleted here while it was copied (by another process: this one abandons its
         # uploads first)? Then the copy would bring it back: it goes too.
         try:

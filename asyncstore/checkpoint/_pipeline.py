@@ -418,6 +418,8 @@ class SaveJob:
                 pack.committed = True
         raw_bytes = self._structure_chunk.raw + sum(s.nbytes for s in self._storages if not s.meta)
         packs = list(data.packs)
+        # The new pack's bytes, if it was kept (one with nothing new took only its magic).
+        pack_bytes = data.written if pack is not None and pack.name in data.packs else 0
         # The oldest format that holds it: every reader of that version reads it.
         codecs = {chunk.codec for chunks in data.chunks.values() for chunk in chunks}
         version = fmt.version_for(bool(packs), codecs)
@@ -440,7 +442,7 @@ class SaveJob:
             ],
             entries=self._entries,
             raw_bytes=raw_bytes,
-            stored_bytes=meta.position + (data.written if pack is not None else 0),
+            stored_bytes=meta.position + pack_bytes,
             digest=0,
             packs=packs,
             pack_ids=[] if pack is None else [(*pack.ids[name],) for name in packs],
@@ -457,7 +459,7 @@ class SaveJob:
         )
         await meta.append(fmt.encode_footer(footer))
         await meta.commit()
-        written = data.written + (meta.written if pack is not None else 0)
+        written = pack_bytes + meta.written if pack is not None else data.written
         self._codecs.record_speed(data.written, data.write_seconds)
         assert self._snapshot_seconds is not None  # the queue ends once the snapshot is taken
         return SaveResult(

@@ -89,6 +89,10 @@ class CheckpointerStats(msgspec.Struct):
         last_upload_seconds: the newest upload's copy and check.
         last_upload_lag_seconds: from the newest mirrored version's local commit to the
             end of its upload.
+        bytes_uploaded: bytes copied to the mirror and checked there.
+        bytes_uploaded_early: of those, the bytes a save's new pack sent while the save was
+            still writing it (the mirror follows the local write; the rest goes after the
+            local commit).
     """
 
     saves: int = 0
@@ -103,6 +107,8 @@ class CheckpointerStats(msgspec.Struct):
     upload_failures: int = 0
     last_upload_seconds: float = 0.0
     last_upload_lag_seconds: float = 0.0
+    bytes_uploaded: int = 0
+    bytes_uploaded_early: int = 0
 
 
 class VerifyReport(msgspec.Struct, frozen=True):

@@ -21,6 +21,7 @@ from ._packfile import PackId
 from ._pickle import PROTOCOL, check_protocol, pickle_structure
 from ._pipeline import PackTarget, SaveJob
 from ._staging import staging_pool
+from ._tail import Tail
 from ._target import Resolved, Sink, open_sink, resolve
 from ._torchformat import DEFAULT_PROTOCOL as TORCH_PROTOCOL
 from ._torchformat import save_torch_format
@@ -231,16 +232,18 @@ async def save_packed(
     known: Known,
     ids: dict[str, PackId],
     config: SaveConfig,
+    tail: Tail | None = None,
 ) -> SaveHandle:
     """:func:`save` to ``key`` in ``store`` as a differential checkpoint (format version 2)
     with the options of ``config``: chunks ``known`` from earlier versions' packs are
     stored as references to them, the others go to the new pack ``pack`` (a key relative
     to ``key``'s directory), which commits before the checkpoint that points into it.
     ``ids`` holds the identity of every pack ``known`` points into (checked by the caller),
-    recorded in the manifest."""
+    recorded in the manifest. ``tail`` follows the pack's file as it is written (for a
+    mirror's upload), when it is a local file."""
     started = time.perf_counter()
     resolved = resolve((store, key), None, writing=True)
-    return await _start(obj, resolved, config, started, (pack, known, ids))
+    return await _start(obj, resolved, config, started, (pack, known, ids, tail))
 
 
 async def _start(
@@ -248,7 +251,7 @@ async def _start(
     resolved: Resolved,
     config: SaveConfig,
     started: float,
-    packed: tuple[str, Known, dict[str, PackId]] | None,
+    packed: tuple[str, Known, dict[str, PackId], Tail | None] | None,
     pickling: tuple[Any, int] = (None, PROTOCOL),
 ) -> SaveHandle:
     # torch's contexts (skip_data()) are per thread: read on the caller's before waiting
@@ -266,8 +269,11 @@ async def _start(
         codecs = Codecs(config.compression, config.level, config.exclude, where, remote)
         sink = await open_sink(resolved)
         if packed is not None:
-            name, known, ids = packed
-            pack = PackTarget(await open_sink(resolved.sibling(name)), name, known, ids)
+            name, known, ids, tail = packed
+            pack_sink = await open_sink(resolved.sibling(name))
+            if tail is not None:
+                pack_sink = tail.attach(pack_sink)
+            pack = PackTarget(pack_sink, name, known, ids)
         job = SaveJob(
             sink,
             structure,

@@ -299,6 +299,17 @@ class StoreSink(Sink):
     def direct_bytes(self) -> int:
         return int(getattr(self._writer, "direct_bytes", 0))
 
+    @property
+    def bytes_written(self) -> int:
+        """Bytes the sink took so far."""
+        return 0 if self._writer is None else self._writer.bytes_written
+
+    def settled(self) -> tuple[str, int] | None:
+        """For a local file being written: its path (a temporary name until the commit)
+        and how many of its leading bytes are written for good; ``None`` otherwise."""
+        settled: tuple[str, int] | None = getattr(self._writer, "settled", None)
+        return settled
+
     async def write(self, data: memoryview | bytes | bytearray) -> None:
         if not self._opened:
             await self.open()

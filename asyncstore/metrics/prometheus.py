@@ -297,6 +297,12 @@ def _families(metrics: Metrics) -> _Builder:
             ("deleted", "Versions removed by retention.", s.deleted),
             ("uploads", "Versions copied to the mirror and checked there.", s.uploads),
             ("upload_failures", "Upload attempts that failed.", s.upload_failures),
+            ("bytes_uploaded", "Bytes copied to the mirror and checked.", s.bytes_uploaded),
+            (
+                "bytes_uploaded_early",
+                "Bytes sent to the mirror while their save was still writing them.",
+                s.bytes_uploaded_early,
+            ),
         ):
             out.counter(f"asyncstore_checkpoint_{name}", doc, base, value)
         for name, doc, value in (

@@ -79,6 +79,12 @@ class DirectAppender:
         """Bytes appended so far."""
         return self._start + self._pending
 
+    @property
+    def settled(self) -> int:
+        """Bytes in the file for good: a reader of the file sees them, and they never change
+        (the bounce buffer's part is not there yet)."""
+        return self._start
+
     def write(self, data: memoryview) -> None:
         """Append ``data`` (a flat byte view); the caller may reuse it once this returns."""
         if self._direct_fd is None:

@@ -136,6 +136,7 @@ class TempFile:
         self.done = False
         self.direct = direct
         self.appender: DirectAppender | None = None
+        self._appended = 0  # bytes written through ``file`` (without an appender)
         # Held by each write, commit and abort: an abort waits for a write still running in
         # its thread (a cancelled caller does not stop the thread) before closing the file.
         self.lock = threading.Lock()
@@ -192,6 +193,14 @@ class TempFile:
                 self.appender.write(data)
             else:
                 write_all(self.file, data)
+                self._appended += len(data)
+
+    @property
+    def settled(self) -> int:
+        """How many leading bytes of the file are written for good (a reader sees them and
+        they never change): all but what an appender still holds back. Read from any
+        thread; it only grows."""
+        return self.appender.settled if self.appender is not None else self._appended
 
     def commit(self) -> os.stat_result:
         """Make the file the key's object; return the file's status."""

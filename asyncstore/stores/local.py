@@ -433,6 +433,16 @@ class _LocalWriter(BaseWriter):
         appender = self._tmp.appender if self._tmp is not None else None
         return appender.direct_bytes if appender is not None else 0
 
+    @property
+    def settled(self) -> tuple[str, int] | None:
+        """The file being written (its temporary name until the commit renames it) and how
+        many of its leading bytes are written for good, for a reader that follows the write
+        (a mirror's upload); ``None`` before the write has begun."""
+        tmp = self._tmp
+        if tmp is None or not tmp.tmp:
+            return None
+        return tmp.tmp, tmp.settled
+
     async def _begin(self) -> None:
         tmp = self._store._temp_file(self._key, self._direct)
         try:

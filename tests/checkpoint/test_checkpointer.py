@@ -312,7 +312,11 @@ async def test_local_first_then_the_mirror(
     stats = ckpt.stats()
     assert stats.uploads == 5
     assert stats.upload_failures == 0
-    assert stats.last_upload_lag_seconds >= stats.last_upload_seconds > 0
+    assert stats.last_upload_seconds > 0
+    assert stats.last_upload_lag_seconds > 0
+    # Every byte went to the mirror once: each new pack while (or after) it was written,
+    # each version after its commit, no pack twice.
+    assert stats.bytes_uploaded == stats.bytes_written
     assert await assert_tidy(local) == ["step-000000003.ckpt", "step-000000004.ckpt"]
     assert await assert_tidy(mirror, options) == ["step-000000003.ckpt", "step-000000004.ckpt"]
     async with Checkpointer(mirror, store_options=options) as only_mirror:

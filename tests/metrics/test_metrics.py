@@ -332,6 +332,7 @@ async def test_prometheus_scrape_matches_the_components(tmp_path: Path, scrape: 
         ckpt_stats.last_total_seconds
     )
     assert value(found, "asyncstore_checkpoint_upload_lag_seconds", **k) == 0
+    assert value(found, "asyncstore_checkpoint_bytes_uploaded_total", **k) == 0  # no mirror
     # Closed: the next scrape no longer has them.
     after = samples(await anyio.to_thread.run_sync(scrape))
     assert not [key for key in after if ("name", url) in key[1]]

@@ -1,0 +1,184 @@
+"""Following a pack while its save writes it: the mirror uploads it as it grows.
+
+Uploading a version only after its local commit makes the mirror's copy arrive after the
+local write *and* the upload, one after the other. Feeding the mirror from the save's
+staging memory instead would hold slabs until the mirror took them (a slow mirror would
+stall the next snapshot). So the mirror reads the local file back as it grows:
+
+- the save's pack sink (:class:`TailedSink`) reports, after each write, how many leading
+  bytes of its file are written for good (an ``O_DIRECT`` writer holds back up to a bounce
+  buffer), and when the pack commits or is given up;
+- the mirror's upload (:meth:`Tail.chunks`) reads those bytes back through its own
+  descriptor, opened on the temporary file as the write begins, so that it reads exactly
+  this save's bytes whatever later happens to the file's name;
+- its last chunk comes only once the manager says the version naming the pack committed
+  locally (:meth:`Tail.release`): the mirror's multipart upload completes after that, and
+  the mirror never holds a pack (or version) that the local store does not.
+
+A save that fails, is cancelled or writes no pack ends the chunks with :class:`Untailed`:
+the upload is aborted and nothing appears in the mirror.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+
+from .._concurrency import to_thread
+from ..errors import AsyncStoreError, IntegrityError
+from ._target import Sink, StoreSink
+
+__all__ = ["Tail", "TailedSink", "Untailed"]
+
+
+class Untailed(AsyncStoreError):
+    """The pack is not uploaded as it is written (its save failed or wrote no pack, or its
+    store is not a local directory): its version is uploaded after the commit instead."""
+
+
+class Tail:
+    """One pack being written locally, as the mirror's upload sees it.
+
+    Written to by the save (:meth:`attach`, :meth:`grew`, :meth:`committed`,
+    :meth:`fail`) and the manager (:meth:`release`), read by the upload (:meth:`chunks`),
+    all on one event loop.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key  # the pack's key, in the local store and the mirror alike
+        self._fd: int | None = None
+        self._settled = 0  # leading bytes of the file written for good
+        self._size: int | None = None  # the whole pack's size, once it committed
+        self._released = False  # the version naming it committed
+        self._failure: Untailed | None = None
+        self._changed = asyncio.Event()
+        self.early_bytes = 0  # bytes read for the mirror before the release
+        self.upload: asyncio.Task[None] | None = None  # the mirror's upload of the pack
+
+    # -- the save's side ---------------------------------------------------------------------
+
+    def attach(self, sink: Sink) -> Sink:
+        """Follow the file ``sink`` writes (open, not written to yet); return the sink the
+        save must write through. A sink that is not a local file is not followed."""
+        progress = sink.settled() if isinstance(sink, StoreSink) else None
+        if not isinstance(sink, StoreSink) or progress is None:
+            self.fail(Untailed(f"{sink.url} is not a local file"))
+            return sink
+        try:
+            self._fd = os.open(progress[0], os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self.fail(Untailed(f"cannot read {sink.url} back as it is written: {exc}"))
+            return sink
+        return TailedSink(sink, self)
+
+    def grew(self, settled: int) -> None:
+        """The file's first ``settled`` bytes are written for good."""
+        if settled > self._settled:
+            self._settled = settled
+            self._changed.set()
+
+    def committed(self, size: int) -> None:
+        """The pack committed locally with ``size`` bytes: the file holds all of them."""
+        self._size = self._settled = size
+        self._changed.set()
+
+    def release(self) -> None:
+        """The version naming the pack committed locally: its upload may complete."""
+        self._released = True
+        if self._size is None and self._failure is None:
+            self.fail(Untailed("the save wrote no pack"))
+        self._changed.set()
+
+    def fail(self, failure: BaseException) -> None:
+        """The pack will not commit, or its version will not (``failure`` says why): the
+        upload is abandoned."""
+        if self._failure is None:
+            self._failure = (
+                failure
+                if isinstance(failure, Untailed)
+                else Untailed(f"the save failed: {failure!r}")
+            )
+        self._changed.set()
+
+    async def finish(self) -> None:
+        """:meth:`release`, then wait for the upload (which never raises)."""
+        self.release()
+        if self.upload is not None:
+            await asyncio.wait([self.upload])
+
+    def check(self) -> None:
+        """Raise the reason the pack is not followed, if there is one already.
+
+        Raises:
+            Untailed: the save failed, wrote no pack, or was not followed.
+        """
+        if self._failure is not None:
+            raise self._failure
+
+    def close(self) -> None:
+        """Close the descriptor the upload reads through (once it has ended)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    # -- the upload's side -------------------------------------------------------------------
+
+    async def chunks(self, chunk_bytes: int) -> AsyncIterator[bytes]:
+        """The pack's bytes in order, ``chunk_bytes`` at a time, each as soon as it is
+        written; the last once the version committed.
+
+        Raises:
+            Untailed: the save failed, wrote no pack, or was not followed.
+            IntegrityError: the file ended before what the save reported.
+        """
+        sent = 0
+        while True:
+            self.check()
+            end = self._settled
+            whole = self._size is not None and self._released
+            if end - sent >= chunk_bytes or (whole and sent < end):
+                assert self._fd is not None  # the save attached the file before it grew
+                n = min(chunk_bytes, end - sent)
+                data = await to_thread(os.pread, self._fd, n, sent, background=True)
+                if len(data) != n:
+                    raise IntegrityError(
+                        f"{self.key}: the file read back ends at {sent + len(data)} bytes, "
+                        f"though {end} were written"
+                    )
+                if not self._released:
+                    self.early_bytes += n
+                sent += n
+                yield data
+                continue
+            if whole:
+                return
+            self._changed.clear()
+            await self._changed.wait()
+
+
+class TailedSink(Sink):
+    """A local pack's sink that tells its :class:`Tail` how far the file is written."""
+
+    def __init__(self, sink: StoreSink, tail: Tail) -> None:
+        self.url = sink.url
+        self._sink = sink
+        self._tail = tail
+
+    @property
+    def direct_bytes(self) -> int:
+        return self._sink.direct_bytes
+
+    async def write(self, data: memoryview | bytes | bytearray) -> None:
+        await self._sink.write(data)
+        progress = self._sink.settled()
+        if progress is not None:
+            self._tail.grew(progress[1])
+
+    async def commit(self) -> None:
+        await self._sink.commit()
+        self._tail.committed(self._sink.bytes_written)
+
+    async def abort(self, exc: BaseException) -> None:
+        self._tail.fail(exc)
+        await self._sink.abort(exc)

@@ -1,0 +1,179 @@
+"""The mirror follows a pack while its save writes it: parts leave before the local commit,
+the mirror's copy appears only after the version commits, a failed save leaves nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncstore import NotFound
+from asyncstore.checkpoint import Checkpointer
+from asyncstore.checkpoint._mirror import send_checked
+from asyncstore.checkpoint._tail import Tail, Untailed
+from asyncstore.checkpoint._target import Sink, StoreSink, open_sink, resolve
+from asyncstore.stores import Store, _localwrite, open_store
+from asyncstore.testing import SeaweedFS
+
+from ..conftest import BUCKET, s3_options, unique
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+KEY = "packs/step-000000001-0123abcd.pack"
+
+
+@pytest.fixture(params=["s3", "local"])
+async def mirror(
+    request: pytest.FixtureRequest, tmp_path: Path, seaweedfs: SeaweedFS
+) -> AsyncIterator[Store]:
+    # 5 MiB parts: the first part of a 6 MiB pack leaves before the pack is whole.
+    if request.param == "s3":
+        store = open_store(f"s3://{BUCKET}/{unique('tail')}", **s3_options(seaweedfs))
+    else:
+        store = open_store(str(tmp_path / "mirror"))
+    async with store:
+        yield store
+
+
+async def followed(tmp_path: Path) -> tuple[Tail, Sink]:
+    local = open_store(str(tmp_path / "local"))
+    sink = await open_sink(resolve((local, KEY), None, writing=True))
+    tail = Tail(KEY)
+    return tail, tail.attach(sink)
+
+
+def pack_bytes(size: int) -> memoryview:
+    # Page-aligned, as a save's staging slabs are: the local writer takes it around the
+    # page cache, so what is "written for good" is exactly what the appender let go.
+    buffer = mmap.mmap(-1, size)
+    buffer[:] = os.urandom(size)
+    return memoryview(buffer)
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.005)
+
+
+async def unfinished_uploads(store: Store, seaweedfs: SeaweedFS) -> list[object]:
+    if not store.url.startswith("s3://"):
+        return []
+    prefix = store.url.removeprefix(f"s3://{BUCKET}/")
+    return list(seaweedfs.list_multipart_uploads(BUCKET, prefix))
+
+
+async def test_parts_leave_as_the_pack_is_written_and_appear_after_the_release(
+    tmp_path: Path, mirror: Store, seaweedfs: SeaweedFS
+) -> None:
+    tail, sink = await followed(tmp_path)
+    data = pack_bytes(6 * MiB + 1000)
+    sent = asyncio.ensure_future(send_checked(mirror, KEY, tail.chunks(MiB), "the local pack"))
+    for start in range(0, 6 * MiB, MiB):
+        await sink.write(data[start : start + MiB])
+    await until(lambda: tail.early_bytes == 6 * MiB, "the written megabytes were read back")
+    if mirror.url.startswith("s3://"):
+        # A part of the multipart upload is stored, the object is not.
+        await until(lambda: bool(seaweedfs.list_multipart_uploads(BUCKET)), "a part was sent")
+    await sink.write(data[6 * MiB :])  # held back in the appender's bounce buffer
+    await sink.commit()
+    await asyncio.sleep(0.05)
+    assert not sent.done()  # the pack committed, but the version naming it has not
+    with pytest.raises(NotFound):
+        await mirror.stat(KEY)
+    tail.release()
+    assert await sent == len(data)
+    tail.close()
+    assert await mirror.get(KEY) == bytes(data)
+    assert tail.early_bytes == 6 * MiB  # the rest went after the release
+    assert await unfinished_uploads(mirror, seaweedfs) == []
+
+
+async def test_a_failed_save_leaves_nothing_in_the_mirror(
+    tmp_path: Path, mirror: Store, seaweedfs: SeaweedFS
+) -> None:
+    tail, sink = await followed(tmp_path)
+    data = pack_bytes(6 * MiB)
+    sent = asyncio.ensure_future(send_checked(mirror, KEY, tail.chunks(MiB), "the local pack"))
+    for start in range(0, 6 * MiB, MiB):
+        await sink.write(data[start : start + MiB])
+    await until(lambda: tail.early_bytes == 6 * MiB, "the written megabytes were read back")
+    await sink.abort(OSError(28, "No space left on device"))
+    with pytest.raises(Untailed, match="No space left"):
+        await sent
+    tail.close()
+    with pytest.raises(NotFound):
+        await mirror.stat(KEY)
+    assert await unfinished_uploads(mirror, seaweedfs) == []  # the upload was aborted
+    assert not (tmp_path / "local" / KEY).exists()
+
+
+async def test_a_pack_that_never_commits_or_cannot_be_followed_ends_the_tail(
+    tmp_path: Path, seaweedfs: SeaweedFS
+) -> None:
+    async def drain(tail: Tail) -> None:
+        async for _ in tail.chunks(MiB):
+            raise AssertionError("no byte should come")
+
+    # The version committed without a pack (every chunk was known already).
+    tail = Tail(KEY)
+    tail.release()
+    with pytest.raises(Untailed, match="no pack"):
+        await drain(tail)
+    # A store that is not a local directory: its sink is left as it is.
+    async with open_store(f"s3://{BUCKET}/{unique('tail')}", **s3_options(seaweedfs)) as s3:
+        s3_sink = StoreSink(s3, KEY, deferred=True)
+        tail = Tail(KEY)
+        assert tail.attach(s3_sink) is s3_sink
+        with pytest.raises(Untailed, match="not a local file"):
+            await drain(tail)
+    # A save that fails after its pack committed (the version did not): nothing to send.
+    tail, sink = await followed(tmp_path)
+    await sink.write(pack_bytes(MiB))
+    await sink.commit()
+    tail.fail(RuntimeError("the manifest could not be written"))
+    with pytest.raises(Untailed, match="manifest could not"):
+        await drain(tail)
+    tail.close()
+
+
+@pytest.mark.s3
+async def test_a_mirrored_checkpointer_sends_the_pack_while_it_is_written(
+    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Local writes slowed down (a busy disk): the mirror takes most of the pack before the
+    # local commit, every byte goes once, and the mirror alone loads the version.
+    write = _localwrite.TempFile.write
+
+    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
+        write(self, data)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
+    local = tmp_path / "run"
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(24)}  # 24 MiB in 1 MiB tensors
+    async with Checkpointer(local, mirror=mirror, mirror_options=options, chunk_bytes=MiB) as ckpt:
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(state, 2))  # nothing new: no pack at all
+        state["t3"] += 1
+        await (await ckpt.save(state, 3))
+    stats = ckpt.stats()
+    assert stats.uploads == 3
+    assert stats.upload_failures == 0
+    assert stats.bytes_uploaded == stats.bytes_written  # no pack sent twice
+    assert stats.bytes_uploaded_early >= 16 * MiB  # of the first pack's 24 MiB
+    assert await unfinished_uploads(open_store(mirror, **options), seaweedfs) == []
+    async with Checkpointer(mirror, store_options=options) as only_mirror:
+        assert [v.step for v in await only_mirror.versions()] == [1, 2, 3]
+        loaded = await only_mirror.load(3)
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
