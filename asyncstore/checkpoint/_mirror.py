@@ -120,12 +120,15 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
         return await send_checked(target, name, reader, f"{source.url}/{key}")
 
 
-async def send_checked(target: Store, name: str, chunks: AsyncIterable[bytes], origin: str) -> int:
+async def send_checked(
+    target: Store, name: str, chunks: AsyncIterable[bytes | memoryview], origin: str
+) -> int:
     """Write ``chunks`` to ``target`` as ``name``, all at once or not at all, and check the
     copy as :func:`copy_object` does; return its size. ``origin`` names where the bytes
     come from, for the error.
 
-    An error from ``chunks`` aborts the write: nothing appears under ``name``.
+    Each chunk is done with once the next is asked for (its buffer may be reused). An error
+    from ``chunks`` aborts the write: nothing appears under ``name``.
     """
     sent = xxhash.xxh3_64()
     size = 0

@@ -9,8 +9,12 @@ stall the next snapshot). So the mirror reads the local file back as it grows:
   bytes of its file are written for good (an ``O_DIRECT`` writer holds back up to a bounce
   buffer), and when the pack commits or is given up;
 - the mirror's upload (:meth:`Tail.chunks`) reads those bytes back through its own
-  descriptor, opened on the temporary file as the write begins, so that it reads exactly
-  this save's bytes whatever later happens to the file's name;
+  descriptors, opened on the temporary file as the write begins, so that it reads exactly
+  this save's bytes whatever later happens to the file's name. It reads around the page
+  cache (``O_DIRECT``) into one aligned buffer where the file system allows it: the pack
+  was written around it, and filling the page cache to read it back costs more CPU than
+  the whole upload (0.5 CPU seconds per 256 MiB on this project's test machine, against
+  0.02 for a direct read);
 - its last chunk comes only once the manager says the version naming the pack committed
   locally (:meth:`Tail.release`): the mirror's multipart upload completes after that, and
   the mirror never holds a pack (or version) that the local store does not.
@@ -22,10 +26,14 @@ the upload is aborted and nothing appears in the mirror.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import mmap
 import os
 from collections.abc import AsyncIterator
 
 from .._concurrency import to_thread
+from .._iov import ALIGN
 from ..errors import AsyncStoreError, IntegrityError
 from ._target import Sink, StoreSink
 
@@ -48,6 +56,8 @@ class Tail:
     def __init__(self, key: str) -> None:
         self.key = key  # the pack's key, in the local store and the mirror alike
         self._fd: int | None = None
+        self._direct_fd: int | None = None  # the same file, read around the page cache
+        self._buffer: mmap.mmap | None = None  # page-aligned, for direct reads
         self._settled = 0  # leading bytes of the file written for good
         self._size: int | None = None  # the whole pack's size, once it committed
         self._released = False  # the version naming it committed
@@ -70,6 +80,8 @@ class Tail:
         except OSError as exc:
             self.fail(Untailed(f"cannot read {sink.url} back as it is written: {exc}"))
             return sink
+        with contextlib.suppress(OSError):  # no direct I/O here (tmpfs): the page cache
+            self._direct_fd = os.open(progress[0], os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
         return TailedSink(sink, self)
 
     def grew(self, settled: int) -> None:
@@ -117,16 +129,19 @@ class Tail:
             raise self._failure
 
     def close(self) -> None:
-        """Close the descriptor the upload reads through (once it has ended)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        """Close the descriptors the upload reads through (once it has ended)."""
+        for fd in (self._fd, self._direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._direct_fd = None
+        self._buffer = None  # freed with the last view of it
 
     # -- the upload's side -------------------------------------------------------------------
 
-    async def chunks(self, chunk_bytes: int) -> AsyncIterator[bytes]:
-        """The pack's bytes in order, ``chunk_bytes`` at a time, each as soon as it is
-        written; the last once the version committed.
+    async def chunks(self, chunk_bytes: int) -> AsyncIterator[memoryview]:
+        """The pack's bytes in order, ``chunk_bytes`` (a multiple of 4096) at a time, each as
+        soon as it is written; the last once the version committed. Each chunk is a view
+        of one buffer, valid until the next is asked for.
 
         Raises:
             Untailed: the save failed, wrote no pack, or was not followed.
@@ -138,9 +153,11 @@ class Tail:
             end = self._settled
             whole = self._size is not None and self._released
             if end - sent >= chunk_bytes or (whole and sent < end):
-                assert self._fd is not None  # the save attached the file before it grew
                 n = min(chunk_bytes, end - sent)
-                data = await to_thread(os.pread, self._fd, n, sent, background=True)
+                if self._buffer is None:
+                    self._buffer = mmap.mmap(-1, chunk_bytes)
+                buffer = memoryview(self._buffer)
+                data = await to_thread(self._read, buffer, sent, n, background=True)
                 if len(data) != n:
                     raise IntegrityError(
                         f"{self.key}: the file read back ends at {sent + len(data)} bytes, "
@@ -155,6 +172,24 @@ class Tail:
                 return
             self._changed.clear()
             await self._changed.wait()
+
+    def _read(self, buffer: memoryview, offset: int, n: int) -> memoryview:
+        # ``n`` bytes from ``offset`` (a multiple of ALIGN) into ``buffer``: fewer only at
+        # the end of the file. Direct reads ask for whole blocks; the bytes past ``n`` (of
+        # a block still being written, or past the end) are not used.
+        if self._direct_fd is not None:
+            try:
+                got = os.preadv(self._direct_fd, [buffer[: -(-n // ALIGN) * ALIGN]], offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                # Refused after all (a larger block size): the page cache from here on.
+                os.close(self._direct_fd)
+                self._direct_fd = None
+            else:
+                return buffer[: min(got, n)]
+        assert self._fd is not None  # the save attached the file before it grew
+        return buffer[: os.preadv(self._fd, [buffer[:n]], offset)]
 
 
 class TailedSink(Sink):

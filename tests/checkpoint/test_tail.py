@@ -4,6 +4,9 @@ the mirror's copy appears only after the version commits, a failed save leaves n
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import time
@@ -64,6 +67,15 @@ async def until(condition: Callable[[], bool], what: str) -> None:
         await asyncio.sleep(0.005)
 
 
+def open_files() -> list[str]:
+    """The files this process holds open (not its sockets: clients keep connections)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(FileNotFoundError):  # the listing's own descriptor
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return sorted(path for path in found if path.startswith("/"))
+
+
 async def unfinished_uploads(store: Store, seaweedfs: SeaweedFS) -> list[object]:
     if not store.url.startswith("s3://"):
         return []
@@ -71,9 +83,42 @@ async def unfinished_uploads(store: Store, seaweedfs: SeaweedFS) -> list[object]
     return list(seaweedfs.list_multipart_uploads(BUCKET, prefix))
 
 
+@pytest.fixture(params=["direct", "direct refused", "no direct"])
+def direct_io(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Direct I/O as the file system allows it: wholly, opened but refused (EINVAL on each
+    read or write: a block size above 4096), or not at all (tmpfs refuses the open)."""
+    real_open, real_preadv, real_pwrite = os.open, os.preadv, os.pwrite
+
+    def direct(fd: int) -> bool:
+        return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+    def refusing_open(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    def refusing_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset)
+
+    def refusing_pwrite(fd: int, data: memoryview, offset: int) -> int:
+        if direct(fd):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    if request.param == "direct refused":
+        monkeypatch.setattr(os, "preadv", refusing_preadv)
+        monkeypatch.setattr(os, "pwrite", refusing_pwrite)
+    elif request.param == "no direct":
+        monkeypatch.setattr(os, "open", refusing_open)
+    return str(request.param)
+
+
 async def test_parts_leave_as_the_pack_is_written_and_appear_after_the_release(
-    tmp_path: Path, mirror: Store, seaweedfs: SeaweedFS
+    tmp_path: Path, mirror: Store, seaweedfs: SeaweedFS, direct_io: str
 ) -> None:
+    # Whichever way the file is written and read back, every byte arrives once.
     tail, sink = await followed(tmp_path)
     data = pack_bytes(6 * MiB + 1000)
     sent = asyncio.ensure_future(send_checked(mirror, KEY, tail.chunks(MiB), "the local pack"))
@@ -177,3 +222,35 @@ async def test_a_mirrored_checkpointer_sends_the_pack_while_it_is_written(
         assert [v.step for v in await only_mirror.versions()] == [1, 2, 3]
         loaded = await only_mirror.load(3)
         assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+@pytest.mark.s3
+async def test_a_cancelled_save_aborts_the_pack_upload_and_closes_the_file(
+    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write = _localwrite.TempFile.write
+
+    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
+        write(self, data)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
+    local = tmp_path / "run"
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    state = {f"t{i}": torch.randn(MiB // 4) for i in range(24)}
+    fds = open_files()
+    async with Checkpointer(local, mirror=mirror, mirror_options=options, chunk_bytes=MiB) as ckpt:
+        handle = await ckpt.save(state, 1)
+        prefix = mirror.removeprefix(f"s3://{BUCKET}/")
+        await until(lambda: bool(seaweedfs.list_multipart_uploads(BUCKET, prefix)), "a part left")
+        assert not handle.done()
+        handle.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await handle
+    assert ckpt.stats().uploads == 0
+    assert ckpt.stats().bytes_uploaded == 0  # the pack's upload never completed
+    async with open_store(mirror, **options) as store:
+        assert [info.key async for info in store.list("")] == []
+        assert await unfinished_uploads(store, seaweedfs) == []
+    assert open_files() == fds  # the read-back descriptor is closed
