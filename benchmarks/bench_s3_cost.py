@@ -9,7 +9,8 @@ SeaweedFS on loopback (its CPU read from ``/proc/<pid>/stat``). Per GiB:
   the same bytes: 16 MiB parts, 4 in flight, sent straight from memory, once with botocore's
   default payload signing (the SHA-256 of every body over http) and once unsigned with no
   checksum: the transport's floor, and the baseline. Goal: asyncstore's client CPU at most
-  1.2x the floor's;
+  1.2x the floor's. Also a ``Checkpointer`` with a local directory and an S3 mirror (the
+  local write, and its read-back for the mirror, counted too);
 - **loads**: ``asyncstore.load`` of that checkpoint (every chunk verified), into fresh
   tensors and into preallocated ones (``into=``, as a resumed job loads into its model),
   beside bare ranged GETs of the same object (16 MiB, 4 in flight) into one preallocated
@@ -155,6 +156,12 @@ def run(mib: int, rounds: int, say: Callable[[str], None]) -> list[str]:
                         "asyncstore.save",
                         lambda key: _save(state, f"s3://{BUCKET}/{key}", options),
                     ),
+                    (
+                        "Checkpointer(local, mirror=s3)",
+                        lambda key: _mirrored(
+                            state, Path(tmp) / key, f"s3://{BUCKET}/{key}", options
+                        ),
+                    ),
                 ]
                 for r in range(rounds):
                     order = saves[r % len(saves) :] + saves[: r % len(saves)]
@@ -207,6 +214,17 @@ def run(mib: int, rounds: int, say: Callable[[str], None]) -> list[str]:
     for line in lines:
         say(line)
     return lines
+
+
+async def _mirrored(
+    state: dict[str, torch.Tensor], local: Path, mirror: str, options: dict[str, Any]
+) -> None:
+    # One version committed locally and uploaded (closing waits for the upload); the local
+    # write and its read-back for the mirror are the client's too.
+    async with asyncstore.Checkpointer(
+        local, mirror=mirror, mirror_options=options, compression=None
+    ) as ckpt:
+        await (await ckpt.save(state, 1))
 
 
 async def _save(state: dict[str, torch.Tensor], url: str, options: dict[str, Any]) -> None:

@@ -7,7 +7,8 @@ version last: the mirror never holds a version whose packs are not all there.
 
 :class:`Uploader` runs a checkpointer's uploads: one at a time, retried with backoff, and
 abandoned when the version is deleted, so that a deleted version never comes back from
-the mirror.
+the mirror. A save's new pack goes while the save writes it (:meth:`Uploader.tail`, see
+:mod:`._tail`); the version's upload after its commit then finds the pack there.
 """
 
 from __future__ import annotations
