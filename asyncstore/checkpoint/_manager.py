@@ -216,6 +216,8 @@ class Checkpointer(AsyncResource):
                     self._config.close_timeout,
                 )
             await self._tasks.aclose()
+            if self._uploader is not None:
+                await self._uploader.aclose()
         finally:
             try:
                 await self._store.aclose()
@@ -294,8 +296,7 @@ class Checkpointer(AsyncResource):
             raise
         handle._when_done(lambda task: self._count(task, step))
         if tail is not None and self._uploader is not None:
-            upload = self._uploader.tail(key, tail)
-            tail.upload = self._tasks.spawn(upload, name="mirror tail", detached=True)
+            tail.start(self._tasks, self._uploader.tail(key, tail))
         after = self._after_commit(handle, step, key, pins, lease, tail)
         self._tasks.spawn(after, name="retention", detached=True)
         return handle
@@ -329,6 +330,10 @@ class Checkpointer(AsyncResource):
         try:
             try:
                 await handle.wait()  # counted in the stats by _count
+                if tail is not None:
+                    # The pack's upload completes (held here until then), and the
+                    # version's finds it there.
+                    await tail.finish()
             except BaseException as exc:
                 if tail is not None:
                     tail.fail(exc)
@@ -337,8 +342,6 @@ class Checkpointer(AsyncResource):
                 # Named by a committed version now (or never to be).
                 await self._packs.unpin(self._store, pins)
                 await lease.release()
-            if tail is not None:
-                await tail.finish()  # the pack's upload completes, the version's finds it
             if self._uploader is not None:
                 await self._uploader.upload(key, time.time())
         finally:

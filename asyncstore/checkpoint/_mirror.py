@@ -185,6 +185,13 @@ class Uploader:
         # and lease that keep the pack there (nothing names it yet) until the version is.
         self._tailed: dict[str, tuple[float, contextlib.AsyncExitStack]] = {}
 
+    async def aclose(self) -> None:
+        """Let go of the packs held for versions whose uploads never came (the
+        checkpointer closed first)."""
+        tailed, self._tailed = self._tailed, {}
+        for _, holding in tailed.values():
+            await holding.aclose()
+
     def counted(self, stats: CheckpointerStats) -> CheckpointerStats:
         """``stats`` with this uploader's counters."""
         return msgspec.structs.replace(
@@ -283,7 +290,9 @@ class Uploader:
         key or a failing mirror leave the pack to :meth:`upload` (which retries and warns).
         """
         try:
-            await self._run(key, lambda: self._send_tail(key, tail))
+            # Outside the upload slot: it waits for the local write most of the time, and
+            # the previous version's upload must not wait behind it.
+            await self._run(key, lambda: self._send_tail(key, tail), slot=False)
         except Untailed:
             pass
         except Exception as exc:  # the upload after the commit tries again, and warns
@@ -297,10 +306,13 @@ class Uploader:
         finally:
             tail.close()
 
-    async def _run(self, key: str, work: Callable[[], Coroutine[Any, Any, None]]) -> bool:
-        # ``work`` for ``key`` in the upload slot, where abandon() can cancel it; False when
-        # it was abandoned (before it started, or cancelled by abandon()).
-        async with self._slot:
+    async def _run(
+        self, key: str, work: Callable[[], Coroutine[Any, Any, None]], *, slot: bool = True
+    ) -> bool:
+        # ``work`` for ``key`` (in the upload slot, one at a time, unless ``slot`` is
+        # False), where abandon() can cancel it; False when it was abandoned (before it
+        # started, or cancelled by abandon()).
+        async with self._slot if slot else contextlib.nullcontext():
             if key in self._abandoned:
                 return False
             task = asyncio.ensure_future(work())
@@ -337,7 +349,8 @@ class Uploader:
         async with contextlib.AsyncExitStack() as holding:
             await holding.enter_async_context(self._holding(key, {tail.key}))
             origin = f"{self.local.url}/{tail.key}"
-            size = await send_checked(self.mirror, tail.key, tail.chunks(COPY_CHUNK_BYTES), origin)
+            async with contextlib.aclosing(tail.chunks(COPY_CHUNK_BYTES)) as chunks:
+                size = await send_checked(self.mirror, tail.key, chunks, origin)
             # Held on until the version's upload: a collection would take the pack meanwhile.
             self._tailed[key] = (started, holding.pop_all())
         self.bytes += size
@@ -347,7 +360,7 @@ class Uploader:
         info = await self.local.stat(key)
         manifest = await self._packs.manifest(self.local, key, info.size, (info.mtime, info.etag))
         async with self._holding(key, set(manifest.packs)):
-            self.bytes += await copy_version(
+            copied = await copy_version(
                 self.local, self.mirror, key, manifest.packs, manifest.pack_ids
             )
         # Deleted here while it was copied (by another process: this one abandons its
@@ -359,6 +372,7 @@ class Uploader:
             await self.mirror.delete(key)
             self._packs.forget(self.mirror, key)
             raise
+        self.bytes += copied
 
 
 class _GaveUp(Exception):

@@ -86,7 +86,8 @@ class CheckpointerStats(msgspec.Struct):
         deleted: versions retention removed (from either store).
         uploads: versions copied to the mirror and checked there.
         upload_failures: upload attempts that failed (each is retried, with a warning).
-        last_upload_seconds: the newest upload's copy and check.
+        last_upload_seconds: the newest upload, from its start (with its pack, while the
+            save was still writing it) to the check of its copy.
         last_upload_lag_seconds: from the newest mirrored version's local commit to the
             end of its upload.
         bytes_uploaded: bytes copied to the mirror and checked there.

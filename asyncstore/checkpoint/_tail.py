@@ -30,9 +30,10 @@ import contextlib
 import errno
 import mmap
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Coroutine
+from typing import Any
 
-from .._concurrency import to_thread
+from .._concurrency import TaskSet, to_thread
 from .._iov import ALIGN
 from ..errors import AsyncStoreError, IntegrityError
 from ._target import Sink, StoreSink
@@ -113,6 +114,16 @@ class Tail:
             )
         self._changed.set()
 
+    def start(self, tasks: TaskSet, upload: Coroutine[Any, Any, None]) -> None:
+        """Run ``upload``, the mirror's upload of the pack, in ``tasks``; the descriptors
+        close once it has ended, however (never started, cancelled, failed)."""
+        try:
+            self.upload = tasks.spawn(upload, name="mirror tail", detached=True)
+        except BaseException:
+            self.close()
+            raise
+        self.upload.add_done_callback(lambda _: self.close())
+
     async def finish(self) -> None:
         """:meth:`release`, then wait for the upload (which never raises)."""
         self.release()
@@ -138,7 +149,7 @@ class Tail:
 
     # -- the upload's side -------------------------------------------------------------------
 
-    async def chunks(self, chunk_bytes: int) -> AsyncIterator[memoryview]:
+    async def chunks(self, chunk_bytes: int) -> AsyncGenerator[memoryview, None]:
         """The pack's bytes in order, ``chunk_bytes`` (a multiple of 4096) at a time, each as
         soon as it is written; the last once the version committed. Each chunk is a view
         of one buffer, valid until the next is asked for.

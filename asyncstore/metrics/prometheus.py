@@ -318,7 +318,7 @@ def _families(metrics: Metrics) -> _Builder:
             ),
             (
                 "last_upload_seconds",
-                "The newest upload's copy and check.",
+                "The newest upload, from its start (its pack: during the save) to its check.",
                 s.last_upload_seconds,
             ),
             (

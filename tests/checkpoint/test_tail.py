@@ -254,3 +254,30 @@ async def test_a_cancelled_save_aborts_the_pack_upload_and_closes_the_file(
         assert [info.key async for info in store.list("")] == []
         assert await unfinished_uploads(store, seaweedfs) == []
     assert open_files() == fds  # the read-back descriptor is closed
+
+
+@pytest.mark.s3
+async def test_a_version_upload_does_not_wait_for_the_next_save(
+    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Saves back to back: the next save's pack upload waits on its local write, and the
+    # version before it reaches the mirror meanwhile, not after that save commits.
+    write = _localwrite.TempFile.write
+
+    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
+        write(self, data)
+        time.sleep(0.05)
+
+    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    async with Checkpointer(
+        tmp_path / "run", mirror=mirror, mirror_options=options, chunk_bytes=MiB
+    ) as ckpt:
+        await (await ckpt.save({f"t{i}": torch.randn(MiB // 4) for i in range(8)}, 1))
+        second = await ckpt.save({f"t{i}": torch.randn(MiB // 4) for i in range(24)}, 2)
+        await until(lambda: ckpt.stats().uploads == 1 or second.done(), "an upload or a commit")
+        assert ckpt.stats().uploads == 1
+        assert not second.done()  # 24 writes of 50 ms: the second save is still writing
+        await second
+    assert ckpt.stats().uploads == 2
