@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -76,10 +77,40 @@ def open_files() -> list[str]:
     return sorted(path for path in found if path.startswith("/"))
 
 
-async def unfinished_uploads(store: Store, seaweedfs: SeaweedFS) -> list[object]:
-    if not store.url.startswith("s3://"):
+@pytest.fixture
+def slow_local_writes(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Slows each write of a local store by the seconds given (a busy disk)."""
+
+    def slow_down(seconds: float) -> None:
+        write = _localwrite.TempFile.write
+
+        def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
+            write(self, data)
+            time.sleep(seconds)
+
+        monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
+
+    return slow_down
+
+
+def mirrored_run(tmp_path: Path, seaweedfs: SeaweedFS) -> tuple[Checkpointer, str, dict[str, Any]]:
+    """A checkpointer on a local directory with an empty S3 mirror (1 MiB chunks), the
+    mirror's URL and options."""
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    ckpt = Checkpointer(tmp_path / "run", mirror=mirror, mirror_options=options, chunk_bytes=MiB)
+    return ckpt, mirror, options
+
+
+def tensors(count: int) -> dict[str, torch.Tensor]:
+    """``count`` MiB of fp32, one tensor a MiB."""
+    return {f"t{i}": torch.randn(MiB // 4) for i in range(count)}
+
+
+def unfinished_uploads(url: str, seaweedfs: SeaweedFS) -> list[object]:
+    if not url.startswith("s3://"):
         return []
-    prefix = store.url.removeprefix(f"s3://{BUCKET}/")
+    prefix = url.removeprefix(f"s3://{BUCKET}/")
     return list(seaweedfs.list_multipart_uploads(BUCKET, prefix))
 
 
@@ -139,7 +170,7 @@ async def test_parts_leave_as_the_pack_is_written_and_appear_after_the_release(
     tail.close()
     assert await mirror.get(KEY) == bytes(data)
     assert tail.early_bytes == 6 * MiB  # the rest went after the release
-    assert await unfinished_uploads(mirror, seaweedfs) == []
+    assert unfinished_uploads(mirror.url, seaweedfs) == []
 
 
 async def test_a_failed_save_leaves_nothing_in_the_mirror(
@@ -157,7 +188,7 @@ async def test_a_failed_save_leaves_nothing_in_the_mirror(
     tail.close()
     with pytest.raises(NotFound):
         await mirror.stat(KEY)
-    assert await unfinished_uploads(mirror, seaweedfs) == []  # the upload was aborted
+    assert unfinished_uploads(mirror.url, seaweedfs) == []  # the upload was aborted
     assert not (tmp_path / "local" / KEY).exists()
 
 
@@ -192,22 +223,14 @@ async def test_a_pack_that_never_commits_or_cannot_be_followed_ends_the_tail(
 
 @pytest.mark.s3
 async def test_a_mirrored_checkpointer_sends_the_pack_while_it_is_written(
-    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, seaweedfs: SeaweedFS, slow_local_writes: Callable[[float], None]
 ) -> None:
     # Local writes slowed down (a busy disk): the mirror takes most of the pack before the
     # local commit, every byte goes once, and the mirror alone loads the version.
-    write = _localwrite.TempFile.write
-
-    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
-        write(self, data)
-        time.sleep(0.02)
-
-    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
-    local = tmp_path / "run"
-    mirror = f"s3://{BUCKET}/{unique('mirror')}"
-    options = s3_options(seaweedfs)
-    state = {f"t{i}": torch.randn(MiB // 4) for i in range(24)}  # 24 MiB in 1 MiB tensors
-    async with Checkpointer(local, mirror=mirror, mirror_options=options, chunk_bytes=MiB) as ckpt:
+    slow_local_writes(0.02)
+    ckpt, mirror, options = mirrored_run(tmp_path, seaweedfs)
+    state = tensors(24)
+    async with ckpt:
         await (await ckpt.save(state, 1))
         await (await ckpt.save(state, 2))  # nothing new: no pack at all
         state["t3"] += 1
@@ -217,7 +240,7 @@ async def test_a_mirrored_checkpointer_sends_the_pack_while_it_is_written(
     assert stats.upload_failures == 0
     assert stats.bytes_uploaded == stats.bytes_written  # no pack sent twice
     assert stats.bytes_uploaded_early >= 16 * MiB  # of the first pack's 24 MiB
-    assert await unfinished_uploads(open_store(mirror, **options), seaweedfs) == []
+    assert unfinished_uploads(mirror, seaweedfs) == []
     async with Checkpointer(mirror, store_options=options) as only_mirror:
         assert [v.step for v in await only_mirror.versions()] == [1, 2, 3]
         loaded = await only_mirror.load(3)
@@ -226,22 +249,13 @@ async def test_a_mirrored_checkpointer_sends_the_pack_while_it_is_written(
 
 @pytest.mark.s3
 async def test_a_cancelled_save_aborts_the_pack_upload_and_closes_the_file(
-    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, seaweedfs: SeaweedFS, slow_local_writes: Callable[[float], None]
 ) -> None:
-    write = _localwrite.TempFile.write
-
-    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
-        write(self, data)
-        time.sleep(0.02)
-
-    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
-    local = tmp_path / "run"
-    mirror = f"s3://{BUCKET}/{unique('mirror')}"
-    options = s3_options(seaweedfs)
-    state = {f"t{i}": torch.randn(MiB // 4) for i in range(24)}
+    slow_local_writes(0.02)
+    ckpt, mirror, options = mirrored_run(tmp_path, seaweedfs)
     fds = open_files()
-    async with Checkpointer(local, mirror=mirror, mirror_options=options, chunk_bytes=MiB) as ckpt:
-        handle = await ckpt.save(state, 1)
+    async with ckpt:
+        handle = await ckpt.save(tensors(24), 1)
         prefix = mirror.removeprefix(f"s3://{BUCKET}/")
         await until(lambda: bool(seaweedfs.list_multipart_uploads(BUCKET, prefix)), "a part left")
         assert not handle.done()
@@ -252,30 +266,21 @@ async def test_a_cancelled_save_aborts_the_pack_upload_and_closes_the_file(
     assert ckpt.stats().bytes_uploaded == 0  # the pack's upload never completed
     async with open_store(mirror, **options) as store:
         assert [info.key async for info in store.list("")] == []
-        assert await unfinished_uploads(store, seaweedfs) == []
+        assert unfinished_uploads(mirror, seaweedfs) == []
     assert open_files() == fds  # the read-back descriptor is closed
 
 
 @pytest.mark.s3
 async def test_a_version_upload_does_not_wait_for_the_next_save(
-    tmp_path: Path, seaweedfs: SeaweedFS, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, seaweedfs: SeaweedFS, slow_local_writes: Callable[[float], None]
 ) -> None:
     # Saves back to back: the next save's pack upload waits on its local write, and the
     # version before it reaches the mirror meanwhile, not after that save commits.
-    write = _localwrite.TempFile.write
-
-    def slow_write(self: _localwrite.TempFile, data: memoryview) -> None:
-        write(self, data)
-        time.sleep(0.05)
-
-    monkeypatch.setattr(_localwrite.TempFile, "write", slow_write)
-    mirror = f"s3://{BUCKET}/{unique('mirror')}"
-    options = s3_options(seaweedfs)
-    async with Checkpointer(
-        tmp_path / "run", mirror=mirror, mirror_options=options, chunk_bytes=MiB
-    ) as ckpt:
-        await (await ckpt.save({f"t{i}": torch.randn(MiB // 4) for i in range(8)}, 1))
-        second = await ckpt.save({f"t{i}": torch.randn(MiB // 4) for i in range(24)}, 2)
+    slow_local_writes(0.05)
+    ckpt, _, _ = mirrored_run(tmp_path, seaweedfs)
+    async with ckpt:
+        await (await ckpt.save(tensors(8), 1))
+        second = await ckpt.save(tensors(24), 2)
         await until(lambda: ckpt.stats().uploads == 1 or second.done(), "an upload or a commit")
         assert ckpt.stats().uploads == 1
         assert not second.done()  # 24 writes of 50 ms: the second save is still writing
