@@ -278,13 +278,13 @@ class Checkpointer(AsyncResource):
                     lease = LeaseHolder(self._store, pins | {key})
                     await lease.hold()
                 run = msgspec.structs.replace(run, metadata={**run.metadata, CHAIN: chain})
-                # The mirror uploads the new pack as it is written (see _tail).
-                tail = None if self._uploader is None else Tail(pack)
+                tail = None if self._uploader is None else Tail(pack)  # see _tail
                 handle = await save_packed(state, self._store, key, pack, known, ids, run, tail)
             else:
                 lease = LeaseHolder(self._store, {key})
                 await lease.hold()
-                handle = await start_save(state, (self._store, key), run)
+                tail = None if self._uploader is None else Tail(key)  # the version's file
+                handle = await start_save(state, (self._store, key), run, tail=tail)
         except BaseException as exc:
             if tail is not None:
                 tail.fail(exc)

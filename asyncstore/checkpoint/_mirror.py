@@ -184,11 +184,14 @@ class Uploader:
         # A key whose pack the mirror took as it was written: when that began, and the pin
         # and lease that keep the pack there (nothing names it yet) until the version is.
         self._tailed: dict[str, tuple[float, contextlib.AsyncExitStack]] = {}
+        self._sent: set[str] = set()  # versions (not differential) the tail sent whole
+        self._tailing: dict[str, asyncio.Task[None]] = {}  # file key -> its tail, running
 
     async def aclose(self) -> None:
         """Let go of the packs held for versions whose uploads never came (the
         checkpointer closed first)."""
         tailed, self._tailed = self._tailed, {}
+        self._sent.clear()
         for _, holding in tailed.values():
             await holding.aclose()
 
@@ -222,11 +225,16 @@ class Uploader:
         retried with backoff; ``False`` when it gave up or was abandoned.
 
         A version whose pack went to the mirror as it was written (:meth:`tail`) counts its
-        upload's time from the pack's start, and keeps the pack held there until now.
+        upload's time from the pack's start, and keeps the pack held there until now; a
+        version that is its own data (not differential) and went that way is not copied
+        again.
         """
         tailed, holding = self._tailed.pop(key, (None, contextlib.AsyncExitStack()))
-        async with holding:
-            return await self._upload(key, committed, tailed)
+        try:
+            async with holding:
+                return await self._upload(key, committed, tailed)
+        finally:
+            self._sent.discard(key)
 
     async def _upload(self, key: str, committed: float, tailed: float | None) -> bool:
         started = time.monotonic()
@@ -289,6 +297,13 @@ class Uploader:
         Never raises but a cancellation: a save that fails or writes no pack, an abandoned
         key or a failing mirror leave the pack to :meth:`upload` (which retries and warns).
         """
+        running = asyncio.current_task()
+        assert running is not None
+        # The same file saved again (a full version of the same step) goes after the one
+        # before it, so that the mirror ends with the newer.
+        while (previous := self._tailing.get(tail.key)) is not None:
+            await asyncio.wait([previous])
+        self._tailing[tail.key] = running
         try:
             # Outside the upload slot: it waits for the local write most of the time, and
             # the previous version's upload must not wait behind it.
@@ -304,6 +319,7 @@ class Uploader:
                 exc,
             )
         finally:
+            del self._tailing[tail.key]
             tail.close()
 
     async def _run(
@@ -353,16 +369,26 @@ class Uploader:
                 size = await send_checked(self.mirror, tail.key, chunks, origin)
             # Held on until the version's upload: a collection would take the pack meanwhile.
             self._tailed[key] = (started, holding.pop_all())
+        if tail.key == key:
+            self._sent.add(key)  # a version that is its own data: nothing left to copy
         self.bytes += size
         self.early_bytes += tail.early_bytes
 
     async def _copy(self, key: str) -> None:
-        info = await self.local.stat(key)
-        manifest = await self._packs.manifest(self.local, key, info.size, (info.mtime, info.etag))
-        async with self._holding(key, set(manifest.packs)):
-            copied = await copy_version(
-                self.local, self.mirror, key, manifest.packs, manifest.pack_ids
-            )
+        copied = 0
+        if key not in self._sent:
+            info = await self.local.stat(key)
+            stamp = (info.mtime, info.etag)
+            manifest = await self._packs.manifest(self.local, key, info.size, stamp)
+            # A pack an earlier save's tail is still sending (a version that names its
+            # packs can commit as soon as theirs did): copied only if that tail fails.
+            tailing = [self._tailing[p] for p in manifest.packs if p in self._tailing]
+            if tailing:
+                await asyncio.wait(tailing)
+            async with self._holding(key, set(manifest.packs)):
+                copied = await copy_version(
+                    self.local, self.mirror, key, manifest.packs, manifest.pack_ids
+                )
         # Deleted here while it was copied (by another process: this one abandons its
         # uploads first)? Then the copy would bring it back: it goes too.
         try:

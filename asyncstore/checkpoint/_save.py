@@ -193,13 +193,15 @@ async def start_save(
     store_options: dict[str, Any] | None = None,
     started: float | None = None,
     pickling: tuple[Any, int] = (None, PROTOCOL),
+    tail: Tail | None = None,
 ) -> SaveHandle:
     """:func:`save` in asyncstore's format with the options of ``config``, validated by
     the caller (:func:`build_save_config`) and used as they are; ``started`` is when the
-    caller's save began (now, by default)."""
+    caller's save began (now, by default). ``tail`` follows the file as it is written (for
+    a mirror's upload), when it is a local file."""
     resolved = resolve(target, store_options, writing=True)
     when = time.perf_counter() if started is None else started
-    return await _start(obj, resolved, config, when, None, pickling)
+    return await _start(obj, resolved, config, when, None, pickling, tail)
 
 
 # The options of asyncstore's format that torch's has no place for (besides compression).
@@ -243,7 +245,7 @@ async def save_packed(
     mirror's upload), when it is a local file."""
     started = time.perf_counter()
     resolved = resolve((store, key), None, writing=True)
-    return await _start(obj, resolved, config, started, (pack, known, ids, tail))
+    return await _start(obj, resolved, config, started, (pack, known, ids), tail=tail)
 
 
 async def _start(
@@ -251,9 +253,11 @@ async def _start(
     resolved: Resolved,
     config: SaveConfig,
     started: float,
-    packed: tuple[str, Known, dict[str, PackId], Tail | None] | None,
+    packed: tuple[str, Known, dict[str, PackId]] | None,
     pickling: tuple[Any, int] = (None, PROTOCOL),
+    tail: Tail | None = None,
 ) -> SaveHandle:
+    # ``tail`` follows the file that takes the data: the pack when there is one.
     # torch's contexts (skip_data()) are per thread: read on the caller's before waiting
     # for the target, after which this task may resume anywhere.
     contexts = current()
@@ -268,8 +272,10 @@ async def _start(
         remote = resolved.store is not None and resolved.store.remote
         codecs = Codecs(config.compression, config.level, config.exclude, where, remote)
         sink = await open_sink(resolved)
+        if tail is not None and packed is None:
+            sink = tail.attach(sink)
         if packed is not None:
-            name, known, ids, tail = packed
+            name, known, ids = packed
             pack_sink = await open_sink(resolved.sibling(name))
             if tail is not None:
                 pack_sink = tail.attach(pack_sink)

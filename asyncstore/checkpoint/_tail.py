@@ -1,5 +1,7 @@
 """Following a pack while its save writes it: the mirror uploads it as it grows.
 
+(A full version, not differential, is its own data: its file is followed the same way.)
+
 Uploading a version only after its local commit makes the mirror's copy arrive after the
 local write *and* the upload, one after the other. Feeding the mirror from the save's
 staging memory instead would hold slabs until the mirror took them (a slow mirror would

@@ -38,34 +38,33 @@ def hold_upload_of(
     monkeypatch: pytest.MonkeyPatch, key: str, *, after: bool = False
 ) -> tuple[asyncio.Event, asyncio.Event]:
     """Hold the upload of ``key`` until released: after its first part is sent, or (with
-    ``after``) once the copy is complete, before the upload ends."""
+    ``after``) once the copy is complete, before the upload ends. Whichever way it goes:
+    copied after the commit, or sent as the save writes it (the mirror following a full
+    version's file)."""
     started, release = asyncio.Event(), asyncio.Event()
-    real = _mirror.copy_object
+    real = _mirror.send_checked
 
-    async def held(source: Any, target: Any, name: str, as_name: str | None = None) -> int:
+    async def held(target: Any, name: str, chunks: Any, origin: str) -> int:
         if name != key or release.is_set():
-            return await real(source, target, name, as_name)
+            return await real(target, name, chunks, origin)
         if after:
-            copied = await real(source, target, name, as_name)
+            sent = await real(target, name, chunks, origin)
             started.set()
             await release.wait()
-            return copied
-        # The copy goes on where it stopped, from the reader it had open: on a local disk
-        # that reader still reads a file deleted meanwhile.
-        copied = 0
-        async with (
-            target.open_writer(name) as writer,
-            source.open_reader(name, chunk_bytes=6 << 20) as reader,
-        ):
-            async for chunk in reader:
-                await writer.write(chunk)  # the first one: a part goes to the server
-                copied += len(chunk)
+            return sent
+
+        async def first_then_held() -> Any:
+            # The first chunk goes (a part to the server), then the upload waits. On a
+            # local disk the source is still read from the file deleted meanwhile.
+            async for chunk in chunks:
+                yield chunk
                 if not started.is_set():
                     started.set()
                     await release.wait()
-        return copied
 
-    monkeypatch.setattr(_mirror, "copy_object", held)
+        return await real(target, name, first_then_held(), origin)
+
+    monkeypatch.setattr(_mirror, "send_checked", held)
     return started, release
 
 

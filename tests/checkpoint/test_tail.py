@@ -23,7 +23,7 @@ from asyncstore.checkpoint._mirror import send_checked
 from asyncstore.checkpoint._tail import Tail, Untailed
 from asyncstore.checkpoint._target import Sink, StoreSink, open_sink, resolve
 from asyncstore.stores import Store, _localwrite, open_store
-from asyncstore.testing import SeaweedFS
+from asyncstore.testing import FaultProxy, SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
 
@@ -286,3 +286,55 @@ async def test_a_version_upload_does_not_wait_for_the_next_save(
         assert not second.done()  # 24 writes of 50 ms: the second save is still writing
         await second
     assert ckpt.stats().uploads == 2
+
+
+@pytest.mark.s3
+async def test_a_full_version_goes_to_the_mirror_as_it_is_written_and_once(
+    tmp_path: Path, seaweedfs: SeaweedFS, slow_local_writes: Callable[[float], None]
+) -> None:
+    # differential=False: the version's file is the data, followed like a pack; its upload
+    # after the commit finds it sent and copies nothing more.
+    slow_local_writes(0.02)
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs)
+    state = tensors(24)
+    async with Checkpointer(
+        tmp_path / "run", mirror=mirror, mirror_options=options, differential=False
+    ) as ckpt:
+        await (await ckpt.save(state, 1))
+        state["t0"] += 1
+        await (await ckpt.save(state, 2))
+    stats = ckpt.stats()
+    assert stats.uploads == 2
+    assert stats.bytes_uploaded == stats.bytes_written  # each version sent once
+    assert stats.bytes_uploaded_early >= 16 * MiB
+    assert unfinished_uploads(mirror, seaweedfs) == []
+    async with Checkpointer(mirror, store_options=options) as only_mirror:
+        assert [v.step for v in await only_mirror.versions()] == [1, 2]
+        loaded = await only_mirror.load(2)
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
+
+
+@pytest.mark.s3
+async def test_a_version_naming_a_pack_still_being_sent_waits_for_it(
+    tmp_path: Path, seaweedfs: SeaweedFS, proxy: FaultProxy
+) -> None:
+    # A slow mirror (0.2 s a request): save 1's pack is still on its way when save 2, the
+    # same state (no pack of its own, pointing into save 1's), commits and is uploaded. Its
+    # upload waits for that pack rather than sending it a second time.
+    proxy.latency = 0.2
+    mirror = f"s3://{BUCKET}/{unique('mirror')}"
+    options = s3_options(seaweedfs, endpoint_url=proxy.url)
+    state = tensors(8)
+    async with Checkpointer(
+        tmp_path / "run", mirror=mirror, mirror_options=options, chunk_bytes=MiB
+    ) as ckpt:
+        await (await ckpt.save(state, 1))
+        await (await ckpt.save(state, 2))
+    stats = ckpt.stats()
+    assert stats.uploads == 2
+    assert stats.bytes_uploaded == stats.bytes_written  # the pack went once
+    proxy.latency = 0.0
+    async with Checkpointer(mirror, store_options=options) as only_mirror:
+        loaded = await only_mirror.load(2)
+        assert all(torch.equal(loaded[name], tensor) for name, tensor in state.items())
