@@ -181,18 +181,17 @@ class Uploader:
         self.last_lag_seconds = 0.0
         self.bytes = 0  # copied to the mirror, checked
         self.early_bytes = 0  # of those, read back while their save was still writing
-        # A key whose pack the mirror took as it was written: when that began, and the pin
-        # and lease that keep the pack there (nothing names it yet) until the version is.
-        self._tailed: dict[str, tuple[float, contextlib.AsyncExitStack]] = {}
-        self._sent: set[str] = set()  # versions (not differential) the tail sent whole
+        # A key whose pack the mirror took as it was written: when that began, the pin and
+        # lease that keep the pack there (nothing names it yet) until the version is, and
+        # whether the file sent was the version itself (a full version: nothing to copy).
+        self._tailed: dict[str, tuple[float, contextlib.AsyncExitStack, bool]] = {}
         self._tailing: dict[str, asyncio.Task[None]] = {}  # file key -> its tail, running
 
     async def aclose(self) -> None:
         """Let go of the packs held for versions whose uploads never came (the
         checkpointer closed first)."""
         tailed, self._tailed = self._tailed, {}
-        self._sent.clear()
-        for _, holding in tailed.values():
+        for _, holding, _ in tailed.values():
             await holding.aclose()
 
     def counted(self, stats: CheckpointerStats) -> CheckpointerStats:
@@ -229,20 +228,17 @@ class Uploader:
         version that is its own data (not differential) and went that way is not copied
         again.
         """
-        tailed, holding = self._tailed.pop(key, (None, contextlib.AsyncExitStack()))
-        try:
-            async with holding:
-                return await self._upload(key, committed, tailed)
-        finally:
-            self._sent.discard(key)
+        tailed, holding, whole = self._tailed.pop(key, (None, contextlib.AsyncExitStack(), False))
+        async with holding:
+            return await self._upload(key, committed, tailed, whole)
 
-    async def _upload(self, key: str, committed: float, tailed: float | None) -> bool:
+    async def _upload(self, key: str, committed: float, tailed: float | None, whole: bool) -> bool:
         started = time.monotonic()
 
         async def attempt() -> bool:
             nonlocal started
             started = time.monotonic()
-            return await self._run(key, lambda: self._copy(key))
+            return await self._run(key, lambda: self._copy(key, whole))
 
         def retrying(exc: Exception, attempt: int, delay: float) -> None:
             self.failures += 1
@@ -320,7 +316,6 @@ class Uploader:
             )
         finally:
             del self._tailing[tail.key]
-            tail.close()
 
     async def _run(
         self, key: str, work: Callable[[], Coroutine[Any, Any, None]], *, slot: bool = True
@@ -360,7 +355,7 @@ class Uploader:
             await lease.release()
 
     async def _send_tail(self, key: str, tail: Tail) -> None:
-        tail.check()  # a save that failed while this waited for the slot: nothing to send
+        tail.check()  # a save that failed before this began: nothing to send
         started = time.monotonic()
         async with contextlib.AsyncExitStack() as holding:
             await holding.enter_async_context(self._holding(key, {tail.key}))
@@ -368,15 +363,14 @@ class Uploader:
             async with contextlib.aclosing(tail.chunks(COPY_CHUNK_BYTES)) as chunks:
                 size = await send_checked(self.mirror, tail.key, chunks, origin)
             # Held on until the version's upload: a collection would take the pack meanwhile.
-            self._tailed[key] = (started, holding.pop_all())
-        if tail.key == key:
-            self._sent.add(key)  # a version that is its own data: nothing left to copy
+            self._tailed[key] = (started, holding.pop_all(), tail.key == key)
         self.bytes += size
         self.early_bytes += tail.early_bytes
 
-    async def _copy(self, key: str) -> None:
+    async def _copy(self, key: str, whole: bool) -> None:
+        # ``whole``: the tail sent the version itself (a full version): nothing to copy.
         copied = 0
-        if key not in self._sent:
+        if not whole:
             info = await self.local.stat(key)
             stamp = (info.mtime, info.etag)
             manifest = await self._packs.manifest(self.local, key, info.size, stamp)
