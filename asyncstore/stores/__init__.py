@@ -9,7 +9,7 @@ import typing
 
 from ._base import DEFAULT_CHUNK_BYTES, ObjectInfo, Reader, Store, Writer
 from ._capabilities import CheckedUploads, CleansUpWrites, LocalFiles, PinnedReads
-from ._keys import MAX_KEY_BYTES, check_key, check_range
+from ._keys import MAX_KEY_BYTES, check_key, check_key_list, check_range
 from ._open import is_local, local_path, open_store, options_from_text
 from ._redact import redact
 from ._s3config import S3Config
@@ -43,6 +43,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     # the rules every store applies, for a custom store or a caller checking early
     "check_key",
+    "check_key_list",
     "check_range",
     "MAX_KEY_BYTES",
     # URLs
