@@ -150,6 +150,14 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     per 8 MiB, small enough that a scattered access pattern does not pull in much it never
     reads."""
 
+    def __post_init__(self) -> None:
+        if self.disk_dir is not None and self.disk_bytes is None:
+            raise InvalidArgument(
+                f"disk_dir={self.disk_dir!r} needs disk_bytes, the disk tier's budget"
+            )
+        if self.disk_dir is None and self.disk_bytes is not None:
+            raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
+
 
 class PrefetchConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The options of :class:`~asyncstore.Prefetcher`; see its docstring for each."""

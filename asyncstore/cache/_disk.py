@@ -65,7 +65,7 @@ from ..errors import IntegrityError
 from . import _index, _segments
 from ._index import INDEX_VERSION
 from ._record import HEADER, decode, encode_head
-from ._segments import SEGMENT_MAX, SEGMENTS, open_record
+from ._segments import SEGMENT_MAX, SEGMENTS, SegmentReader, open_record
 
 TOUCH_BATCH = 256
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -111,6 +111,7 @@ class DiskTier:
         self._touches = 0  # reads since the last flush
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
+        self._reader = SegmentReader()  # read_cached's: on the event loop only
         self.directory.mkdir(parents=True, exist_ok=True)
         self._root = str(self.directory)
         self._segment_dir = f"{self._root}/{SEGMENTS}"
@@ -267,27 +268,28 @@ class DiskTier:
         if found is None:
             return None
         segment, offset, size = found
-        fd = open_record(self.segment_path(segment), offset, size, key)
-        if fd is None:
-            return None
+        path = self.segment_path(segment)
         try:
-            buffer = bytearray(size)
             try:
-                got = os.preadv(fd, [buffer], offset, _RWF_NOWAIT)
-            except BlockingIOError:
+                raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
+                return None if raw is None else self._accept(segment, raw, key)
+            except IntegrityError:
+                # Perhaps read through a descriptor kept from before the index was made
+                # anew (see SegmentReader): once more through a fresh one.
+                self._reader.forget()
+                raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
+                return None if raw is None else self._accept(segment, raw, key)
+        except BlockingIOError:
+            return WOULD_BLOCK  # not all of it is in the page cache
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                self._nowait = False  # this file system or kernel cannot: use threads
                 return WOULD_BLOCK
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    self._nowait = False  # this file system or kernel cannot: use threads
-                    return WOULD_BLOCK
-                raise
-        finally:
-            os.close(fd)
-        if got != size:
-            return WOULD_BLOCK  # only part of it is in the page cache (or it is short)
-        return self._accept(segment, buffer, key)
+            raise
 
-    def _accept(self, segment: int, raw: bytes | bytearray, key: str) -> tuple[bytes, str | None]:
+    def _accept(
+        self, segment: int, raw: bytes | bytearray | memoryview, key: str
+    ) -> tuple[bytes, str | None]:
         payload, etag = decode(raw, self._identity_bytes, key)
         with self._touch_lock:
             self._touched[segment] = time.time()
@@ -567,6 +569,7 @@ class DiskTier:
         """Write pending access times and close the index."""
         with contextlib.suppress(sqlite3.Error):
             self.flush_touches()
+        self._reader.forget()
         with self._read_lock:
             self._rdb.close()
         with self._db_lock:  # after any call still running in another thread

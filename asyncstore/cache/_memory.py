@@ -8,7 +8,7 @@ in a dict of their own, outside the recency order, so eviction never has to skip
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class MemoryTier:
@@ -41,6 +41,24 @@ class MemoryTier:
             self._lru.move_to_end(key)
             return value
         return self._pinned.get(key)
+
+    def get_run(self, keys: Sequence[str], start: int, stop: int) -> list[bytes]:
+        """The values of ``keys[start:stop]`` up to the first one absent, each marked most
+        recently used as :meth:`get` marks it: one call for a run of hits. An unhashable
+        key (no key at all) ends the run too."""
+        lru, pinned, out = self._lru, self._pinned, []
+        try:
+            for index in range(start, stop):
+                key = keys[index]
+                value = lru.get(key)
+                if value is not None:
+                    lru.move_to_end(key)
+                elif (value := pinned.get(key)) is None:
+                    break
+                out.append(value)
+        except TypeError:
+            pass
+        return out
 
     def put(self, key: str, value: bytes) -> bool:
         """Insert or replace ``key``; evict least recently used entries to stay in budget.

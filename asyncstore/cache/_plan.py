@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 _NEVER = float("inf")
 
@@ -30,7 +30,9 @@ class PlanTier:
         self.budget = budget
         self._values: dict[str, bytes] = {}
         self._pins: set[str] = set()
-        self._uses: dict[str, deque[int]] = {}  # key -> upcoming plan positions, ascending
+        # key -> its upcoming plan positions: one int (the common case, and no deque to
+        # allocate per key), or a deque of them, ascending
+        self._uses: dict[str, int | deque[int]] = {}
         self._planned = 0  # positions handed out so far
         # Max-heap of (-next use, tiebreak, key) over unpinned entries; stale items (whose
         # next use changed or whose key left) are skipped when popped. None until an
@@ -58,18 +60,37 @@ class PlanTier:
         for key in keys:
             uses = known.get(key)
             if uses is None:
-                uses = known[key] = deque()
-            uses.append(self._planned)
+                known[key] = first = self._planned
+            elif isinstance(uses, int):
+                known[key] = deque((uses, self._planned))
+                first = uses
+            else:
+                uses.append(self._planned)
+                first = uses[0]
             self._planned += 1
             if key in values and key not in pins and next_use[key] == _NEVER:
                 if self._heap is None:
-                    next_use[key] = uses[0]  # no eviction order to keep: just note it
+                    next_use[key] = first  # no eviction order to keep: just note it
                 else:
                     self._schedule(key)
 
     def _next_use(self, key: str) -> float:
         uses = self._uses.get(key)
-        return uses[0] if uses else _NEVER
+        return _NEVER if uses is None else uses if isinstance(uses, int) else uses[0]
+
+    def _consume(self, key: str) -> float:
+        # A read of ``key``: its nearest planned use is done; returns the next one.
+        uses = self._uses.get(key)
+        if uses is None:
+            return _NEVER
+        if isinstance(uses, int):
+            del self._uses[key]
+            return _NEVER
+        uses.popleft()
+        if len(uses) > 1:
+            return uses[0]
+        self._uses[key] = left = uses[0]
+        return left
 
     def _schedule(self, key: str) -> None:
         when = self._next_use(key)
@@ -112,17 +133,41 @@ class PlanTier:
     def get(self, key: str) -> bytes | None:
         """The value, or ``None``; a hit consumes the key's nearest planned use."""
         value = self._values.get(key)
-        uses = self._uses.get(key)
-        if uses:
-            uses.popleft()  # this read is the key's nearest planned use
-            if not uses:
-                del self._uses[key]
+        then = self._consume(key)  # this read is the key's nearest planned use
         if value is not None and key not in self._pins:
             if self._heap is None:
-                self._next[key] = uses[0] if uses else _NEVER  # no eviction order to keep
+                self._next[key] = then  # no eviction order to keep
             else:
                 self._schedule(key)
         return value
+
+    def get_run(self, keys: Sequence[str], start: int, stop: int) -> list[bytes]:
+        """The values of ``keys[start:stop]`` up to the first one absent, each consuming its
+        key's nearest planned use as :meth:`get` does: one call for a run of hits. The
+        absent key's use is left for the read that fetches it. An unhashable key (no key at
+        all) ends the run too."""
+        values, planned, pins, next_use = self._values, self._uses, self._pins, self._next
+        out: list[bytes] = []
+        try:
+            for index in range(start, stop):
+                key = keys[index]
+                value = values.get(key)
+                if value is None:
+                    break
+                if type(planned.get(key)) is int:  # its only planned use: the common case
+                    del planned[key]
+                    then = _NEVER
+                else:
+                    then = self._consume(key)
+                if key not in pins:
+                    if self._heap is None:
+                        next_use[key] = then
+                    else:
+                        self._schedule(key)
+                out.append(value)
+        except TypeError:
+            pass
+        return out
 
     def put(self, key: str, value: bytes) -> bool:
         """Insert ``key`` unless it would be the first entry to be evicted; False if not."""

@@ -13,7 +13,9 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
-from typing import Literal, Self
+from itertools import islice
+from operator import itemgetter
+from typing import Literal, Self, cast
 
 import msgspec
 
@@ -21,7 +23,7 @@ from .._concurrency import TaskSet, forget_errors
 from .._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConfig, build
 from .._resource import AsyncResource
 from ..errors import InvalidArgument
-from ..stores import Store
+from ..stores import Store, check_key
 from ._stats import LatencyWindow
 from ._tiered import TieredCache
 
@@ -39,6 +41,14 @@ _FIRST_FETCHES = 4
 
 # A consumer wait shorter than this is scheduling noise, not a stall.
 _STALL_SECONDS = 0.0005
+
+
+def _valid(key: object, url: str) -> bool:
+    try:
+        check_key(key, url)
+    except InvalidArgument:
+        return False
+    return True
 
 
 class PrefetchStats(msgspec.Struct):
@@ -126,12 +136,17 @@ class Prefetcher(AsyncResource):
         self._plan_cache: TieredCache | None = None
         if isinstance(source, TieredCache) and source.policy == "plan":
             self._plan_cache = source
-        self._ahead: deque[str] = deque()  # keys read from the plan, not yet fetched
+        # Keys read from the plan; those from _next on are not fetched yet (a list and a
+        # position, so a run of warm keys is looked up with one call, see _fill_window).
+        self._ahead: list[str] = []
+        self._next = 0
+        self._warm_cache = source if isinstance(source, TieredCache) else None
         # Plan order: each key with its fetch, or with its bytes when they were local already
         # (no future to make and resolve for the common warm-epoch case).
         self._window: deque[tuple[str, asyncio.Future[bytes] | bytes]] = deque()
         self._want = 0  # items a take() call wants ready at once
         self._inflight = 0  # fetch tasks not finished
+        self._fetches = 0  # fetches in the window, finished or not
         self._refill: asyncio.Future[None] | None = None
         self._tasks = TaskSet("the Prefetcher")  # fetches and refills
         self._filling = asyncio.Lock()
@@ -155,10 +170,11 @@ class Prefetcher(AsyncResource):
     async def _on_close(self) -> None:
         self._refill = None
         window, self._window = self._window, deque()
+        self._fetches = 0
         await self._tasks.aclose()
         forget_errors(item for _, item in window if isinstance(item, asyncio.Future))
         self._inflight = 0
-        self._ahead.clear()
+        self._ahead, self._next = [], 0
         self._ready_bytes = 0
 
     # -- iteration ---------------------------------------------------------------------------
@@ -211,6 +227,7 @@ class Prefetcher(AsyncResource):
         # its error (closing). ``waited``: how long the consumer waited for it, None when it
         # was ready before it was wanted.
         key, fetch = self._window.popleft()
+        self._fetches -= 1
         assert isinstance(fetch, asyncio.Future)  # the caller saw it done
         if waited is None:
             self._over += 1
@@ -232,42 +249,41 @@ class Prefetcher(AsyncResource):
         # Move the window's leading run of local items (bytes, not fetches) to ``items``,
         # up to ``most``: _pop's bookkeeping once for the run.
         window = self._window
-        taken = size = 0
-        while window and len(items) < most:
-            key, data = window[0]
-            if isinstance(data, asyncio.Future):
-                break
-            window.popleft()
-            items.append((key, data))
-            taken += 1
-            size += len(data)
-        self._items += taken
-        self._over += taken
-        self._ready_bytes -= size
-        self._waits.add_zeros(taken)
+        count = min(most - len(items), len(window))
+        if not self._fetches:  # no fetch in the window: every item is local
+            taken = [window.popleft() for _ in range(count)]
+        else:
+            taken = []
+            while len(taken) < count and not isinstance(window[0][1], asyncio.Future):
+                taken.append(window.popleft())
+        items += cast("list[tuple[str, bytes]]", taken)
+        self._items += len(taken)
+        self._over += len(taken)
+        self._ready_bytes -= sum(map(len, map(itemgetter(1), taken)))
+        self._waits.add_zeros(len(taken))
         self._adapt()
-
-    async def _next_key(self) -> str | None:
-        if not self._ahead and not self._exhausted:
-            await self._read_plan()
-        return self._ahead.popleft() if self._ahead else None
 
     async def _read_plan(self) -> None:
         # Read a slice of the plan ahead and tell a plan-aware cache about it.
-        batch: list[str] = []
         want = PLAN_AHEAD if self._plan_cache is not None else max(64, self._depth)
         keys = self._keys
-        try:
-            while len(batch) < want:
-                if isinstance(keys, AsyncIterator):
+        if isinstance(keys, AsyncIterator):
+            batch: list[str] = []
+            try:
+                while len(batch) < want:
                     batch.append(await anext(keys))
-                else:
-                    batch.append(next(keys))
-        except (StopIteration, StopAsyncIteration):
-            self._exhausted = True
+            except StopAsyncIteration:
+                self._exhausted = True
+        else:
+            batch = list(islice(keys, want))
+            self._exhausted = len(batch) < want
         if batch and self._plan_cache is not None:
-            self._plan_cache.plan(batch)
-        self._ahead.extend(batch)
+            try:
+                self._plan_cache.plan(batch)
+            except InvalidArgument:  # a bad key: planned without it, its read raises in order
+                self._plan_cache.plan([key for key in batch if _valid(key, self.url)])
+        self._ahead = self._ahead[self._next :] + batch
+        self._next = 0
 
     def _refill_soon(self) -> None:
         # Keep the window full while the consumer works on what it got: without this, new
@@ -282,7 +298,31 @@ class Prefetcher(AsyncResource):
     async def _fill_window(self) -> None:
         # Start fetches until the window is as deep as wanted, or a bound says stop.
         limit = max(self._depth, self._want)
-        while len(self._window) < limit and self._ready_bytes < self._max_bytes:
+        window = self._window
+        while len(window) < limit and self._ready_bytes < self._max_bytes:
+            ahead, start = self._ahead, self._next
+            if start == len(ahead):
+                if self._exhausted:
+                    break
+                await self._read_plan()
+                continue
+            if self._warm_cache is not None:
+                # Keys already local go in the window with their bytes, a run per call: no
+                # task, no future, no wait (the common warm-epoch case). Bytes ready count
+                # against max_bytes at the size seen so far.
+                room = 1  # until a size is known
+                if self._avg_size is not None:
+                    left = (self._max_bytes - self._ready_bytes) / self._avg_size
+                    room = max(1, min(limit - len(window), int(left)))
+                run = self._warm_cache.get_ready(ahead, start, start + room)
+                if run:
+                    size = sum(map(len, run))
+                    window.extend(zip(ahead[start : start + len(run)], run, strict=True))
+                    self._next = start + len(run)
+                    self._fetched += len(run)
+                    self._ready_bytes += size
+                    self._seen(size / len(run))
+                    continue
             inflight = self._inflight
             if inflight >= self._max_inflight:
                 break
@@ -293,26 +333,16 @@ class Prefetcher(AsyncResource):
                     break
             elif self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
                 break
-            key = self._ahead.popleft() if self._ahead else await self._next_key()
-            if key is None:
-                break
+            key = ahead[start]
+            self._next = start + 1
             self._fetched += 1
-            data = self._warm(key)
-            if data is not None:
-                # Already local: its bytes go in the window as they are, no task, no wait.
-                self._ready_bytes += len(data)
-                self._window.append((key, data))
-                continue
             self._inflight += 1
-            self._window.append((key, self._tasks.spawn(self._fetch(key), name="prefetch")))
+            window.append((key, self._tasks.spawn(self._fetch(key), name="prefetch")))
+            self._fetches += 1
 
-    def _warm(self, key: str) -> bytes | None:
-        if isinstance(self._source, TieredCache):
-            try:
-                return self._source.get_nowait(key)
-            except InvalidArgument:
-                return None  # a bad key: the regular fetch raises it in order
-        return None
+    def _seen(self, size: float) -> None:
+        # The average item size, over recent items (or runs of them).
+        self._avg_size = size if self._avg_size is None else 0.8 * self._avg_size + 0.2 * size
 
     async def _fetch(self, key: str) -> bytes:
         # _inflight was counted when the task was created (it may not have started yet).
@@ -321,8 +351,7 @@ class Prefetcher(AsyncResource):
         finally:
             self._inflight -= 1
         self._ready_bytes += len(data)
-        size = len(data)
-        self._avg_size = size if self._avg_size is None else 0.8 * self._avg_size + 0.2 * size
+        self._seen(len(data))
         return data
 
     # -- adaptive depth ----------------------------------------------------------------------

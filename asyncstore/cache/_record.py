@@ -43,7 +43,9 @@ def encode_head(identity: bytes, key: str, payload: bytes, etag: str | None) -> 
     return start + lengths + identity + key_bytes + etag_bytes
 
 
-def decode(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
+def decode(
+    raw: bytes | bytearray | memoryview, identity: bytes, key: str
+) -> tuple[bytes, str | None]:
     """The payload and ETag of the record ``raw``, read for ``key`` of the source ``identity``.
 
     Raises:
@@ -59,7 +61,9 @@ def decode(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, st
         raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
 
 
-def _decode_checked(raw: bytes | bytearray, identity: bytes, key: str) -> tuple[bytes, str | None]:
+def _decode_checked(
+    raw: bytes | bytearray | memoryview, identity: bytes, key: str
+) -> tuple[bytes, str | None]:
     if len(raw) < HEADER.size:
         raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
     magic, version, digest, length, id_len, key_len, etag_len = HEADER.unpack_from(raw)

@@ -82,6 +82,12 @@ def open_record(path: str, offset: int, size: int, key: str) -> int | None:
         IntegrityError: the record lies outside the segment (past its end, or at a
             negative offset or size: a damaged or crafted index).
     """
+    found = open_segment(path, offset, size, key)
+    return None if found is None else found[0]
+
+
+def open_segment(path: str, offset: int, size: int, key: str) -> tuple[int, int] | None:
+    """:func:`open_record`, with the segment's length."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -96,7 +102,61 @@ def open_record(path: str, offset: int, size: int, key: str) -> int | None:
         raise IntegrityError(
             f"cache entry for {key!r} lies outside its segment (bytes {offset}+{size} of {length})"
         )
-    return fd
+    return fd, length
+
+
+class SegmentReader:
+    """Reads of records from the page cache, for one thread (the event loop's): the
+    descriptors of the last segments read are kept open, and one buffer is reused.
+
+    An open, fstat and close per read cost more than the read of a small record itself.
+    A descriptor kept open stays valid for its segment: a committed segment id is never
+    given again, and a file unlinked since (its segment evicted) still reads the bytes the
+    index named. Only a directory whose index was made anew (another format) gives ids
+    again: a record read through a descriptor kept from before then fails its checks, and
+    :meth:`forget` lets the caller read it once more through a fresh one.
+    """
+
+    KEEP = 32
+    """Descriptors kept open at most."""
+
+    def __init__(self) -> None:
+        self._open: dict[int, tuple[int, int]] = {}  # segment -> (fd, its length), oldest first
+        self._buffer = bytearray()
+
+    def read(
+        self, path: str, segment: int, offset: int, size: int, key: str, flags: int
+    ) -> memoryview | None:
+        """The record's bytes (valid until the next call), or None if the segment is gone.
+
+        Raises:
+            IntegrityError: the record lies outside the segment.
+            BlockingIOError: not all of it is in the page cache (``flags``: ``RWF_NOWAIT``).
+            OSError: the read failed.
+        """
+        kept = self._open.pop(segment, None)
+        if kept is not None and offset + size > kept[1]:
+            os.close(kept[0])  # appended to since: look again
+            kept = None
+        if kept is None:
+            kept = open_segment(path, offset, size, key)
+            if kept is None:
+                return None
+        self._open[segment] = kept  # the most recent last
+        if len(self._open) > self.KEEP:
+            os.close(self._open.pop(next(iter(self._open)))[0])
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)  # a new one: a view of the old may still be out
+        view = memoryview(self._buffer)[:size]
+        if os.preadv(kept[0], [view], offset, flags) != size:
+            raise BlockingIOError("only part of the record is in the page cache")
+        return view
+
+    def forget(self) -> None:
+        """Close every descriptor kept."""
+        kept, self._open = self._open, {}
+        for fd, _ in kept.values():
+            os.close(fd)
 
 
 def listing(segment_dir: str) -> list[str] | None:

@@ -92,3 +92,40 @@ class LatencyWindow:
             return ordered[min(last, round(q * last))]
 
         return at(0.50), at(0.95), at(0.99)
+
+
+def snapshot(
+    gets: int,
+    memory: tuple[TierStats, int, int],
+    disk: tuple[TierStats, int | None],
+    store: StoreFetchStats,
+    latency: LatencyWindow,
+) -> CacheStats:
+    """A :class:`CacheStats` from a cache's live counters: the memory tier's (with its
+    evictions and bypassed values), the disk tier's (evictions None while it is closed), the
+    store's and its latency window; each copied, so later reads do not change it."""
+    mem_counts, evictions, bypassed = memory
+    mem = TierStats(
+        hits=mem_counts.hits,
+        misses=mem_counts.misses,
+        bytes_served=mem_counts.bytes_served,
+        evictions=evictions,
+        corrupt=0,
+        bypassed=bypassed,
+    )
+    disk_counts, disk_evictions = disk
+    on_disk = TierStats(**{f: getattr(disk_counts, f) for f in TierStats.__struct_fields__})
+    if disk_evictions is not None:
+        on_disk.evictions = disk_evictions
+    p50, p95, p99 = latency.percentiles()
+    fetched = StoreFetchStats(
+        fetches=store.fetches,
+        bytes=store.bytes,
+        revalidations=store.revalidations,
+        latency_p50=p50,
+        latency_p95=p95,
+        latency_p99=p99,
+    )
+    lookups = mem.hits + mem.misses
+    hit_rate = (mem.hits + on_disk.hits) / lookups if lookups else 0.0
+    return CacheStats(gets=gets, hit_rate=hit_rate, memory=mem, disk=on_disk, store=fetched)

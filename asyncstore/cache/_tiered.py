@@ -20,7 +20,7 @@ import logging
 import os
 import sqlite3
 import time
-from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 from .._concurrency import TaskSet, bounded_map, shield, to_thread, wait_shared
@@ -28,12 +28,12 @@ from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._dirs import check_disk_dir
 from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
-from ..stores import Store, check_key, check_range
+from ..stores import Store, check_key, check_key_list, check_range
 from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
 from ._freshness import Freshness
 from ._memory import MemoryTier
 from ._plan import PlanTier
-from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats
+from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats, snapshot
 from ._warm import check_keys, read_all
 from ._writes import DiskWrites, Entry
 
@@ -117,12 +117,6 @@ class TieredCache(AsyncResource):
             },
             "TieredCache",
         )
-        if config.disk_dir is not None and config.disk_bytes is None:
-            raise InvalidArgument(
-                f"disk_dir={config.disk_dir!r} needs disk_bytes, the disk tier's budget"
-            )
-        if config.disk_dir is None and config.disk_bytes is not None:
-            raise InvalidArgument("disk_bytes was given without disk_dir; pass both or neither")
         if config.disk_dir is not None:
             check_disk_dir(
                 config.disk_dir, "disk_dir", "disk_dir=None and disk_bytes=None for no disk tier"
@@ -130,13 +124,8 @@ class TieredCache(AsyncResource):
         self._config = config
         self._store = store
         self._policy = config.policy
-        self._memory: MemoryTier | PlanTier = (
-            PlanTier(config.memory_bytes)
-            if config.policy == "plan"
-            else MemoryTier(config.memory_bytes)
-        )
-        self._disk_dir = config.disk_dir
-        self._disk_bytes = config.disk_bytes
+        tier = PlanTier if config.policy == "plan" else MemoryTier
+        self._memory: MemoryTier | PlanTier = tier(config.memory_bytes)
         self._disk: DiskTier | None = None
         self._validate = config.validate
         self._block = config.block_bytes
@@ -171,8 +160,8 @@ class TieredCache(AsyncResource):
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def _on_open(self) -> None:
-        if self._disk_dir is not None and self._disk_bytes is not None:
-            directory, budget = self._disk_dir, self._disk_bytes
+        directory, budget = self._config.disk_dir, self._config.disk_bytes
+        if directory is not None and budget is not None:
             identity = self._store.identity
             try:
                 self._disk = await to_thread(DiskTier, directory, budget, identity)
@@ -221,26 +210,54 @@ class TieredCache(AsyncResource):
         return await self._get_range(key, first, last)
 
     def get_nowait(self, key: str) -> bytes | None:
-        """The whole object if it can be had without waiting, else ``None``.
+        """The whole object if it can be had without waiting, else ``None``: from memory,
+        or from the disk tier when the entry is in the page cache; never from the store.
+        Only with ``validate="none"`` (a revalidation would wait)."""
+        got = self.get_ready([check_key(key, self._store.url)])
+        return got[0] if got else None
 
-        Answers from memory, or from the disk tier when the entry is in the page cache;
-        never asks the store. Only with ``validate="none"`` (a revalidation would wait).
-        The prefetcher uses it to serve warm reads without a fetch task each.
-        """
+    def get_ready(
+        self, keys: Sequence[str], start: int = 0, stop: int | None = None
+    ) -> list[bytes]:
+        """The objects of the leading keys of ``keys[start:stop]`` that can be had without
+        waiting, as :meth:`get_nowait` gives each, up to the first that cannot (or is not a
+        valid key): a run of warm reads for a fraction of a call each (the prefetcher's)."""
+        stop = len(keys) if stop is None else min(stop, len(keys))
+        out: list[bytes] = []
         if self._state != "open" or self._validate != "none":
+            return out
+        while start < stop:
+            run = self._memory.get_run(keys, start, stop)
+            # Only checked keys go in memory, so these are valid, unless one names a block
+            # ("key\x00size.index"): the run ends before it.
+            if run and "\x00" in "".join(keys[start : start + len(run)]):
+                stop = start + next(i for i, key in enumerate(keys[start:]) if "\x00" in key)
+                run = run[: stop - start]
+            self._gets += len(run)
+            self._mem_stats.hits += len(run)
+            self._mem_stats.bytes_served += sum(map(len, run))
+            out += run
+            start += len(run)
+            value = self._ready_one(keys[start]) if start < stop else None
+            if value is None:
+                break
+            out.append(value)
+            start += 1
+        return out
+
+    def _ready_one(self, key: str) -> bytes | None:
+        # Not in memory: queued for the disk tier, or in the page cache; else None.
+        try:
+            key = check_key(key, self._store.url)
+        except InvalidArgument:
             return None
-        key = check_key(key, self._store.url)
-        value = self._memory.get(key)
-        if value is None and (queued := self._writes.unwritten.get(key)) is not None:
-            value = self._promote(key, queued[1])
-        if value is not None:
+        self._memory.get(key)  # a miss, counted as the key's planned use
+        if (queued := self._writes.unwritten.get(key)) is not None:
             self._gets += 1
             self._mem_stats.hits += 1
-            self._mem_stats.bytes_served += len(value)
-            return value
-        if key in self._inflight:
-            return None
-        data = self._disk_now(key)
+            self._mem_stats.bytes_served += len(queued[1])
+            return self._promote(key, queued[1])
+        data = None if key in self._inflight else self._disk_now(key)
         if data is not None:
             self._gets += 1
             self._mem_stats.misses += 1
@@ -473,7 +490,7 @@ class TieredCache(AsyncResource):
             logger.warning(
                 "disk cache tier at %s switched off after an error (%s); reads go on from "
                 "memory and %s",
-                self._disk_dir,
+                self._config.disk_dir,
                 exc,
                 self._store.url,
             )
@@ -521,7 +538,7 @@ class TieredCache(AsyncResource):
             raise InvalidArgument(
                 f"plan() needs a cache created with policy='plan' (this one is {self._policy!r})"
             )
-        self._memory.extend(check_key(key, self._store.url) for key in keys)
+        self._memory.extend(check_key_list(list(keys), self._store.url))
 
     def pin(self, keys: Iterable[str]) -> None:
         """Keep ``keys`` in memory regardless of recency (from when they are next read)."""
@@ -570,26 +587,12 @@ class TieredCache(AsyncResource):
 
     def stats(self) -> CacheStats:
         """A snapshot of the cache's counters."""
-        memory = TierStats(
-            hits=self._mem_stats.hits,
-            misses=self._mem_stats.misses,
-            bytes_served=self._mem_stats.bytes_served,
-            evictions=self._memory.evictions,
-            corrupt=0,
-            bypassed=self._memory.bypassed,
+        memory = self._memory
+        disk = self._disk
+        return snapshot(
+            self._gets,
+            (self._mem_stats, memory.evictions, memory.bypassed),
+            (self._disk_stats, None if disk is None else disk.evictions),
+            self._store_stats,
+            self._latency,
         )
-        disk = TierStats(**{f: getattr(self._disk_stats, f) for f in TierStats.__struct_fields__})
-        if self._disk is not None:
-            disk.evictions = self._disk.evictions
-        p50, p95, p99 = self._latency.percentiles()
-        store = StoreFetchStats(
-            fetches=self._store_stats.fetches,
-            bytes=self._store_stats.bytes,
-            revalidations=self._store_stats.revalidations,
-            latency_p50=p50,
-            latency_p95=p95,
-            latency_p99=p99,
-        )
-        lookups = memory.hits + memory.misses
-        hit_rate = (memory.hits + disk.hits) / lookups if lookups else 0.0
-        return CacheStats(gets=self._gets, hit_rate=hit_rate, memory=memory, disk=disk, store=store)

@@ -55,6 +55,20 @@ class MemoryTierMachine(RuleBasedStateMachine):
             self.order.remove(key)
             self.order.append(key)
 
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def get_run(self, keys: list[str]) -> None:
+        # The leading run of present keys, each marked used as get() marks it.
+        got = self.tier.get_run(["k0", *keys], 1, len(keys) + 1)
+        run = []
+        for key in keys:
+            if key not in self.values:
+                break
+            run.append(self.values[key])
+            if key in self.order:
+                self.order.remove(key)
+                self.order.append(key)
+        assert got == run
+
     @rule(key=KEYS)
     def discard(self, key: str) -> None:
         self.tier.discard(key)
