@@ -273,10 +273,20 @@ def _whole(
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]], entry: fmt.Storage
 ) -> memoryview | None:
     """The memory of the one ``into`` tensor that a storage fills whole (the saved tensor
-    is all of its storage, contiguous; the target contiguous on the CPU), or None."""
-    if len(pairs) != 1:
-        return None
+    is all of its storage, contiguous; the target contiguous on the CPU), or None. Tied
+    names (one saved tensor under several, loaded into one tensor under as many) are one."""
     _, loaded, target = pairs[0]
+    for _, other_loaded, other in pairs[1:]:
+        if not (
+            other.data_ptr() == target.data_ptr()
+            and other.dtype == target.dtype
+            and other.shape == target.shape
+            and other.stride() == target.stride()
+            and other_loaded.storage_offset() == loaded.storage_offset()
+            and other_loaded.shape == loaded.shape
+            and other_loaded.stride() == loaded.stride()
+        ):
+            return None
     if (
         loaded.storage_offset() != 0
         or not loaded.is_contiguous()

@@ -282,6 +282,36 @@ async def test_into_reads_whole_storages_straight_into_the_targets(
         await asyncstore.load(path, into={"big": torch.zeros(300_000)})
 
 
+async def test_tied_weights_are_read_straight_into_their_one_target(tmp_path: Path) -> None:
+    # A model with tied weights (the embedding and the output layer, one tensor) saves one
+    # storage under two names; loaded into the same kind of model, it is read into the
+    # target in place, not into a buffer copied from once per name.
+    weight = torch.randn(50_000)
+    path = tmp_path / "tied.ckpt"
+    await (await asyncstore.save({"embed": weight, "head": weight}, path, chunk_bytes=65536))
+    from asyncstore.checkpoint._reader import ChunkReader
+
+    staged: list[str] = []
+    storages = ChunkReader.storages
+
+    async def spy(self: ChunkReader, entries: list[Any]) -> Any:
+        staged.extend(entry.name for entry in entries)
+        return await storages(self, entries)
+
+    target = torch.zeros(50_000)
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(ChunkReader, "storages", spy)
+        await asyncstore.load(path, into={"embed": target, "head": target})
+        assert staged == []
+        assert torch.equal(target, weight)
+        # Two different targets for the tied names: each gets its copy (through a buffer).
+        first, second = torch.zeros(50_000), torch.zeros(50_000)
+        await asyncstore.load(path, into={"embed": first, "head": second})
+    assert len(staged) == 1
+    assert torch.equal(first, weight)
+    assert torch.equal(second, weight)
+
+
 async def test_into_loads_non_tensor_entries_whole(tmp_path: Path) -> None:
     state = {"model": {"w": torch.ones(2)}, "step": torch.tensor(5), "w": torch.full((2,), 3.0)}
     await (await asyncstore.save(state, tmp_path / "mixed.ckpt"))
