@@ -55,7 +55,7 @@ import sqlite3
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Container, Iterator, Sequence
 from pathlib import Path
 
 import xxhash
@@ -112,6 +112,7 @@ class DiskTier:
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._reader = SegmentReader()  # read_cached's: on the event loop only
+        self._expected: dict[str, tuple[int, int, int] | None] = {}  # expect()'s rows
         self.directory.mkdir(parents=True, exist_ok=True)
         self._root = str(self.directory)
         self._segment_dir = f"{self._root}/{SEGMENTS}"
@@ -197,28 +198,31 @@ class DiskTier:
         Raises:
             IntegrityError: the row cannot describe a record (a damaged or crafted index).
         """
-        # fetchall, not fetchone: an unfinished statement would keep its read transaction
-        # open and stop the write-ahead log from being truncated.
-        query = "SELECT segment, offset, size FROM entries WHERE name = ?"
-        if db is None:
-            with self._read_lock:
-                rows = self._rdb.execute(query, (name,)).fetchall()
-        else:
-            rows = db.execute(query, (name,)).fetchall()
-        if not rows:
-            return None
-        segment, offset, size = rows[0]
-        if not (
-            all(type(v) is int for v in (segment, offset, size))
-            and segment > 0
-            and offset >= 0
-            and HEADER.size <= size <= self.budget
-        ):
-            raise IntegrityError(
-                f"cache index row for {name} is damaged (segment {segment!r}, offset "
-                f"{offset!r}, size {size!r})"
-            )
-        return segment, offset, size
+        if db is not None:
+            return _index.find(db, name, HEADER.size, self.budget)
+        with self._read_lock:
+            return _index.find(self._rdb, name, HEADER.size, self.budget)
+
+    def expect(self, keys: Sequence[str], start: int, stop: int, skip: Container[str]) -> int:
+        """Look up where the entries of ``keys[start:stop]`` (cache keys; those in ``skip``
+        left out) lie, in one query, for the :meth:`read_cached` calls that follow; returns
+        ``stop``. ``start == stop`` forgets what was looked up.
+
+        For a run of reads from the page cache on the event loop: a query per key cost a
+        third of such a read. The rows go stale as the index changes, so the caller
+        forgets them before it gives the loop up. A failed query looks up nothing.
+        """
+        wanted = [k for k in keys[start:stop] if type(k) is str and k not in skip]
+        names = [self.name_for(key) for key in wanted]
+        self._expected = dict.fromkeys(names)  # None: no entry
+        try:
+            if names:
+                with self._read_lock:
+                    found = _index.find_many(self._rdb, names, HEADER.size, self.budget)
+                self._expected.update(found)
+        except (sqlite3.Error, IntegrityError):
+            self._expected = {}  # each read asks on its own, and reports a damaged row
+        return stop
 
     # -- read --------------------------------------------------------------------------------
 
@@ -261,8 +265,9 @@ class DiskTier:
         """
         if not self._nowait:
             return WOULD_BLOCK
+        name = self.name_for(key)
         try:
-            found = self._locate(self.name_for(key))
+            found = self._expected.pop(name) if name in self._expected else self._locate(name)
         except sqlite3.OperationalError:
             return WOULD_BLOCK
         if found is None:

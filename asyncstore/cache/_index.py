@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .._flock import try_lock
+from ..errors import IntegrityError
 
 INDEX_VERSION = 3
 """The index's layout (``PRAGMA user_version``). 3: entries packed in segment files. An index
@@ -131,3 +132,55 @@ def lock_writers(fd: int, root: str, timeout_ms: int) -> None:
             )
         time.sleep(pause)
         pause = min(pause * 2, 0.005)
+
+
+Row = tuple[int, int, int]
+"""Where an entry lies: its segment, offset and size."""
+
+_FIND = "SELECT segment, offset, size FROM entries WHERE name = ?"
+
+
+def find(db: sqlite3.Connection, name: str, least: int, most: int) -> Row | None:
+    """The row of entry ``name``, or None. A record is ``least`` to ``most`` bytes.
+
+    Raises:
+        IntegrityError: the row cannot describe a record (a damaged or crafted index).
+    """
+    # fetchall, not fetchone: an unfinished statement would keep its read transaction
+    # open and stop the write-ahead log from being truncated.
+    rows = db.execute(_FIND, (name,)).fetchall()
+    if not rows:
+        return None
+    segment, offset, size = rows[0]
+    return _checked(name, segment, offset, size, least, most)
+
+
+def find_many(db: sqlite3.Connection, names: list[str], least: int, most: int) -> dict[str, Row]:
+    """The rows of the entries among ``names`` that exist, in one query (``names`` at most
+    SQLite's bound on a statement's parameters, 32,766).
+
+    Raises:
+        IntegrityError: a row cannot describe a record.
+    """
+    marks = ",".join("?" * len(names))
+    query = f"SELECT name, segment, offset, size FROM entries WHERE name IN ({marks})"
+    rows = db.execute(query, names).fetchall()
+    return {name: _checked(name, seg, at, size, least, most) for name, seg, at, size in rows}
+
+
+def _checked(
+    name: str, segment: object, offset: object, size: object, least: int, most: int
+) -> Row:
+    if not (
+        type(segment) is int
+        and type(offset) is int
+        and type(size) is int
+        and segment > 0
+        and offset >= 0
+        and least <= size <= most
+    ):
+        raise IntegrityError(
+            f"cache index row for {name} is damaged (segment {segment!r}, offset "
+            f"{offset!r}, size {size!r})"
+        )
+    return segment, offset, size

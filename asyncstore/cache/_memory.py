@@ -31,7 +31,7 @@ class MemoryTier:
     def __len__(self) -> int:
         return len(self._lru) + len(self._pinned)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._lru or key in self._pinned
 
     def get(self, key: str) -> bytes | None:

@@ -49,7 +49,7 @@ class PlanTier:
     def __len__(self) -> int:
         return len(self._values)
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._values
 
     # -- the plan ----------------------------------------------------------------------------

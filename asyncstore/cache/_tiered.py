@@ -226,6 +226,7 @@ class TieredCache(AsyncResource):
         out: list[bytes] = []
         if self._state != "open" or self._validate != "none":
             return out
+        disk, ahead = self._disk, 0  # keys before ahead were looked up on disk
         while start < stop:
             run = self._memory.get_run(keys, start, stop)
             # Only checked keys go in memory, so these are valid, unless one names a block
@@ -238,11 +239,15 @@ class TieredCache(AsyncResource):
             self._mem_stats.bytes_served += sum(map(len, run))
             out += run
             start += len(run)
+            if start < stop and disk is not None and start >= ahead:  # one query a stretch
+                ahead = disk.expect(keys, start, min(stop, start + 64), self._memory)
             value = self._ready_one(keys[start]) if start < stop else None
             if value is None:
                 break
             out.append(value)
             start += 1
+        if disk is not None and ahead:
+            disk.expect(keys, 0, 0, ())  # the rows go stale once the loop moves on
         return out
 
     def _ready_one(self, key: str) -> bytes | None:
@@ -277,9 +282,7 @@ class TieredCache(AsyncResource):
         data = hit[0]
         self._disk_stats.hits += 1
         self._disk_stats.bytes_served += len(data)
-        if not self._memory.put(cache_key, data):
-            self._mem_stats.bypassed += 1
-        return data
+        return self._promote(cache_key, data)
 
     async def _get_range(self, key: str, start: int, end: int | None) -> bytes:
         whole = self._memory.peek(key)
@@ -587,8 +590,7 @@ class TieredCache(AsyncResource):
 
     def stats(self) -> CacheStats:
         """A snapshot of the cache's counters."""
-        memory = self._memory
-        disk = self._disk
+        memory, disk = self._memory, self._disk
         return snapshot(
             self._gets,
             (self._mem_stats, memory.evictions, memory.bypassed),

@@ -170,3 +170,61 @@ def test_a_descriptor_kept_from_before_the_index_was_made_anew_is_not_damage(
         assert reader.read("k/new") == (VALUE[::-1], None)  # not dropped as damaged
     finally:
         reader.close()
+
+
+async def test_a_run_of_disk_hits_asks_the_index_once_a_stretch(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncstore.cache import _index
+
+    keys = [f"obj/{i:03d}" for i in range(20)]
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 22
+    ) as c:
+        await c.warm(keys[:10] + keys[11:])  # keys[10] only in the store
+        await c.flush()
+    queries: list[str] = []
+    find, find_many = _index.find, _index.find_many
+
+    def one(*args: object) -> object:
+        queries.append("one")
+        return find(*args)  # type: ignore[arg-type]
+
+    def many(db: object, names: list[str], *args: object) -> object:
+        queries.append(f"many {len(names)}")
+        return find_many(db, names, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_index, "find", one)
+    monkeypatch.setattr(_index, "find_many", many)
+    async with TieredCache(
+        source, memory_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=1 << 22
+    ) as cache:
+        await cache.get(keys[3])  # in memory: not asked for
+        queries.clear()
+        got = cache.get_ready(keys)
+        assert got == [bytes([i]) * (10 * KiB) for i in range(10)]  # up to the one not cached
+        assert queries == ["many 19"]
+        assert cache.stats().disk.hits == 10  # keys[3] came from disk too, first
+        # The rows were for that call only: a later read asks the index again.
+        queries.clear()
+        assert await cache.get(keys[15]) == bytes([15]) * (10 * KiB)
+        assert queries == ["one"]
+
+
+async def test_a_damaged_row_in_a_stretch_stops_the_run_there(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    keys = [f"obj/{i:03d}" for i in range(6)]
+    options: dict[str, object] = {"disk_dir": tmp_path, "disk_bytes": 1 << 22}
+    async with TieredCache(source, memory_bytes=1 << 20, **options) as cache:  # type: ignore[arg-type]
+        await cache.warm(keys)
+        await cache.flush()
+        name = cache._disk.name_for(keys[2])  # type: ignore[union-attr]
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute("UPDATE entries SET size = -1 WHERE name = ?", (name,))
+    async with TieredCache(source, memory_bytes=1 << 20, **options) as cache:  # type: ignore[arg-type]
+        assert cache.get_ready(keys) == [bytes([0]) * (10 * KiB), bytes([1]) * (10 * KiB)]
+        source.gets.clear()
+        assert await cache.get(keys[2]) == bytes([2]) * (10 * KiB)  # refetched
+        assert source.gets == [(keys[2], 0, None)]
+        assert cache.stats().disk.corrupt == 1
