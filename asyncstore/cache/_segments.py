@@ -120,9 +120,15 @@ class SegmentReader:
     KEEP = 32
     """Descriptors kept open at most."""
 
+    SWEEP = 256
+    """Reads between two looks for kept segments deleted since (evicted): an open
+    descriptor keeps a deleted file's space taken, which the tier's budget does not see, so
+    none is kept for more than this many reads after its file is gone."""
+
     def __init__(self) -> None:
         self._open: dict[int, tuple[int, int]] = {}  # segment -> (fd, its length), oldest first
         self._buffer = bytearray()
+        self._reads = 0
 
     def read(
         self, path: str, segment: int, offset: int, size: int, key: str, flags: int
@@ -134,6 +140,9 @@ class SegmentReader:
             BlockingIOError: not all of it is in the page cache (``flags``: ``RWF_NOWAIT``).
             OSError: the read failed.
         """
+        self._reads += 1
+        if self._reads % self.SWEEP == 0:
+            self._sweep()
         kept = self._open.pop(segment, None)
         if kept is not None and offset + size > kept[1]:
             os.close(kept[0])  # appended to since: look again
@@ -151,6 +160,17 @@ class SegmentReader:
         if os.preadv(kept[0], [view], offset, flags) != size:
             raise BlockingIOError("only part of the record is in the page cache")
         return view
+
+    def _sweep(self) -> None:
+        # Close the descriptors of segments whose files are gone.
+        for segment, (fd, _) in list(self._open.items()):
+            try:
+                gone = os.fstat(fd).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._open[segment]
+                os.close(fd)
 
     def forget(self) -> None:
         """Close every descriptor kept."""

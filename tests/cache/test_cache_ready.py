@@ -228,3 +228,39 @@ async def test_a_damaged_row_in_a_stretch_stops_the_run_there(
         assert await cache.get(keys[2]) == bytes([2]) * (10 * KiB)  # refetched
         assert source.gets == [(keys[2], 0, None)]
         assert cache.stats().disk.corrupt == 1
+
+
+def test_descriptors_of_deleted_segments_do_not_hold_their_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An open descriptor keeps a deleted file's blocks taken: a kept one of an evicted
+    # segment would let the tier's files outgrow its budget unseen.
+    monkeypatch.setattr(SegmentReader, "SWEEP", 8)
+    value = VALUE * 4  # one entry per 16 KiB segment
+    tier = DiskTier(tmp_path, 256 * KiB, "memory://source")
+    try:
+        for i in range(4):
+            assert tier.write(f"k/{i}", value, None)
+            assert tier.read_cached(f"k/{i}") == (value, None)
+        gone = [tier.locate(f"k/{i}")[0] for i in range(3)]  # type: ignore[index]
+        for path in gone:
+            os.unlink(path)  # as another process's eviction does
+        assert len(deleted_open(tmp_path)) == 3
+        for _ in range(8):
+            assert tier.read_cached("k/3") == (value, None)
+        assert deleted_open(tmp_path) == []
+    finally:
+        tier.close()
+
+
+def deleted_open(directory: Path) -> list[str]:
+    """This process's open descriptors on deleted files under ``directory``."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)) and target.endswith("(deleted)"):
+            found.append(target)
+    return found
