@@ -66,7 +66,7 @@ def check_key_list(keys: list[str], where: str) -> list[str]:
     For long lists (a plan's slice): the common case is a few scans of the keys joined
     with NUL, which no valid key holds, instead of a call per key.
     """
-    joined = "\x00".join(keys) if all(type(key) is str for key in keys) else None
+    joined = "\x00".join(keys) if set(map(type, keys)) <= {str} else None
     if (
         joined is not None
         and joined.count("\x00") == len(keys) - 1

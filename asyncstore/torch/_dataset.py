@@ -12,6 +12,7 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from operator import itemgetter
 from pathlib import Path
 from types import FrameType
 from typing import Any, Generic, Literal, TypeVar
@@ -640,7 +641,7 @@ class _Session:
                 if not items:
                     return
                 self._staged.append(items)
-                staged += sum(len(data) for _, data in items)
+                staged += sum(map(len, map(itemgetter(1), items)))
 
     async def close(self) -> DatasetStats:
         await self._tasks.aclose()
