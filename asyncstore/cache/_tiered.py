@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
-from .._concurrency import TaskSet, bounded_map, shield, to_thread, wait_shared
+from .._concurrency import TaskSet, shield, to_thread, wait_shared
 from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
 from .._dirs import check_disk_dir
 from .._resource import AsyncResource
@@ -34,7 +34,7 @@ from ._freshness import Freshness
 from ._memory import MemoryTier
 from ._plan import PlanTier
 from ._stats import CacheStats, LatencyWindow, StoreFetchStats, TierStats, snapshot
-from ._warm import check_keys, read_all
+from ._warm import check_keys, read_all, read_blocks
 from ._writes import DiskWrites, Entry
 
 logger = logging.getLogger("asyncstore.cache")
@@ -44,10 +44,6 @@ MiB = 1 << 20
 
 DISK_THREADS = 8
 """Worker threads doing disk-tier I/O at once: enough to keep an NVMe queue busy."""
-
-RANGE_WINDOW = 16
-"""Most blocks of one ranged read fetched at once: 128 MiB of 8 MiB blocks in flight keeps
-a store busy, and bounds the empty reads past an object's end a too-long range costs."""
 
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
@@ -294,21 +290,7 @@ class TieredCache(AsyncResource):
         size = self._block
         first = start // size
         last = None if end is None else max(first, (end - 1) // size)
-        # The first block alone, then windows of RANGE_WINDOW blocks, stopping at the first
-        # short block (the object's end): a range past the end costs at most one window of
-        # empty reads, never one read per block of the range asked for (end=2**63 is a valid
-        # range), and the wait can be cancelled between windows.
-        blocks: list[bytes] = []
-        index, window = first, 1
-        while last is None or index <= last:
-            stop = index + window if last is None else min(index + window, last + 1)
-            get_block = functools.partial(self._get_block, key)
-            got = await bounded_map(get_block, range(index, stop), limit=window, name="block")
-            blocks.extend(got)
-            if any(len(block) < size for block in got):
-                break
-            index, window = stop, RANGE_WINDOW
-        data = b"".join(blocks)
+        data = await read_blocks(functools.partial(self._get_block, key), first, last, size)
         offset = first * size
         return data[start - offset : None if end is None else end - offset]
 
@@ -558,13 +540,16 @@ class TieredCache(AsyncResource):
         key = check_key(key, self._store.url)
         # Fetches of this key still under way must not put the old bytes back.
         self._generations[key] = self._generations.get(key, 0) + 1
-        doomed = [k for k in self._memory.keys() if k.split("\x00", 1)[0] == key]  # noqa: SIM118
-        for cache_key in [key, *doomed]:
-            self._memory.discard(cache_key)
-        self._freshness.forget(key, [key, *doomed])
-        self._writes.forget(key)
-        if self._disk is not None:
+        for removed in (False, True):
+            doomed = [k for k in self._memory.keys() if k.split("\x00", 1)[0] == key]  # noqa: SIM118
+            for cache_key in [key, *doomed]:
+                self._memory.discard(cache_key)
+            self._freshness.forget(key, [key, *doomed])
+            self._writes.forget(key)
+            if removed or self._disk is None:
+                return
             await self._writes.settle()
+            # A read meanwhile may find the entry on disk and keep it in memory: forget again.
             await self._disk_call(self._disk.remove, key)
 
     async def flush(self) -> None:

@@ -1,12 +1,13 @@
-"""Warming a cache: reading many keys through it, a bounded number at once, and the check
-of a ``keys`` argument that the cache's methods share.
+"""Warming a cache: reading many keys through it, a bounded number at once; reading the
+blocks of a range a window at a time; and the check of a ``keys`` argument that the cache's
+methods share.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Awaitable, Callable, Iterable
 
-from .._concurrency import bounded_each
+from .._concurrency import bounded_each, bounded_map
 from ..errors import InvalidArgument
 
 
@@ -53,3 +54,28 @@ async def read_all(
     """
     _positive("max_inflight", max_inflight, unit="reads at once, for example 32")
     return await bounded_each(get, keys, limit=max_inflight, name="warm")
+
+
+RANGE_WINDOW = 16
+"""Most blocks of one ranged read fetched at once: 128 MiB of 8 MiB blocks in flight keeps
+a store busy, and bounds the empty reads past an object's end a too-long range costs."""
+
+
+async def read_blocks(
+    get_block: Callable[[int], Awaitable[bytes]], first: int, last: int | None, size: int
+) -> bytes:
+    """Blocks ``first`` to ``last`` (to the object's end for None) of ``size`` bytes each,
+    joined: the first alone, then windows of :data:`RANGE_WINDOW`, stopping at the first
+    short block (the object's end). A range past the end costs at most one window of empty
+    reads, never one read per block asked for (``end=2**63`` is a valid range), and the
+    wait can be cancelled between windows."""
+    blocks: list[bytes] = []
+    index, window = first, 1
+    while last is None or index <= last:
+        stop = index + window if last is None else min(index + window, last + 1)
+        got = await bounded_map(get_block, range(index, stop), limit=window, name="block")
+        blocks.extend(got)
+        if any(len(block) < size for block in got):
+            break
+        index, window = stop, RANGE_WINDOW
+    return b"".join(blocks)

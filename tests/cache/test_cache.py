@@ -6,6 +6,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import asyncstore
 from asyncstore import InvalidArgument, NotFound
 from asyncstore.cache import TieredCache
 from asyncstore.cache._disk import DiskTier
-from asyncstore.cache._tiered import RANGE_WINDOW
+from asyncstore.cache._warm import RANGE_WINDOW
 from asyncstore.testing import SeaweedFS
 
 from ..conftest import BUCKET, s3_options, unique
@@ -365,6 +366,33 @@ async def test_invalidate_during_a_fetch_keeps_nothing_stale(source: CountingSto
         await cache.invalidate("obj/001")
         assert await reading == bytes([1]) * 10 * KiB  # that read began before the change
         source.delay = 0
+        assert await cache.get("obj/001") == b"new"
+
+
+async def test_a_warm_read_during_an_invalidate_keeps_nothing_stale(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The entry is on disk: while invalidate() waits for its removal there, a read served
+    # from the page cache (the prefetcher's way, or a get) finds the old bytes and keeps
+    # them in memory. The invalidate forgets them again once the disk tier has let go.
+    remove = DiskTier.remove
+
+    def slow_remove(self: DiskTier, key: str) -> None:
+        time.sleep(0.2)  # in the disk tier's thread: the removal takes a while
+        remove(self, key)
+
+    monkeypatch.setattr(DiskTier, "remove", slow_remove)
+    options: dict[str, Any] = {"disk_dir": tmp_path, "disk_bytes": 1 << 22}
+    async with TieredCache(source, memory_bytes=1 << 20, **options) as cache:
+        await cache.get("obj/001")
+        await cache.flush()
+        cache._memory.clear()
+        await source.put("obj/001", b"new")
+        invalidating = asyncio.ensure_future(cache.invalidate("obj/001"))
+        await asyncio.sleep(0)  # memory forgotten; the disk's removal under way
+        assert cache.get_ready(["obj/001"]) == [bytes([1]) * 10 * KiB]  # the old bytes, kept
+        await invalidating
+        assert cache.get_nowait("obj/001") is None
         assert await cache.get("obj/001") == b"new"
 
 
