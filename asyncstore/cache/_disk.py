@@ -492,7 +492,9 @@ class DiskTier:
     def _forget_lock(self) -> None:
         # In a forked child: the lock's open file is shared with the parent, so holding it
         # here would keep the parent's lock held after the parent died. Closed; the tier
-        # must be opened again in the child.
+        # must be opened again in the child. So are the kept segments' descriptors, which
+        # would hold evicted segments' space for the child's life.
+        self._reader.forget()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1

@@ -263,6 +263,37 @@ def test_a_forked_child_does_not_share_the_parents_writer_lock(tmp_path: Path) -
         tier.close()
 
 
+def test_a_forked_child_closes_the_parents_kept_segment_descriptors(tmp_path: Path) -> None:
+    # Kept open in the child, they would hold the parent's evicted segments' space for as
+    # long as the child lives (a DataLoader worker: the whole run).
+    tier = DiskTier(tmp_path, 1 << 20, "file:///source")
+    try:
+        assert tier.write("k", b"x" * 100, None)
+        assert tier.read_cached("k") == (b"x" * 100, None)  # its segment's descriptor kept
+
+        def segments_open() -> int:
+            return sum(
+                str(tmp_path / "segments") in os.path.realpath(f"/proc/self/fd/{fd}")
+                for fd in os.listdir("/proc/self/fd")
+            )
+
+        assert segments_open() == 1
+        reader, writer = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(writer, str(segments_open()).encode())
+            os._exit(0)
+        os.close(writer)
+        os.waitpid(pid, 0)
+        said = os.read(reader, 100).decode()
+        os.close(reader)
+        assert said == "0"
+        assert segments_open() == 1  # the parent's own stays
+        assert tier.read_cached("k") == (b"x" * 100, None)
+    finally:
+        tier.close()
+
+
 def test_a_stuck_lock_holder_fails_writers_instead_of_hanging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
