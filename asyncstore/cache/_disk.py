@@ -112,7 +112,7 @@ class DiskTier:
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._reader = SegmentReader()  # read_cached's: on the event loop only
-        self._expected: dict[str, tuple[int, int, int] | None] = {}  # expect()'s rows
+        self._expected: dict[str, tuple[int, int, int] | None] = {}  # expect()'s, by key
         self.directory.mkdir(parents=True, exist_ok=True)
         self._root = str(self.directory)
         self._segment_dir = f"{self._root}/{SEGMENTS}"
@@ -184,11 +184,14 @@ class DiskTier:
 
     def locate(self, key: str) -> tuple[str, int, int] | None:
         """Where the entry for ``key`` lies: its segment file, offset and length, or None."""
-        found = self._locate(self.name_for(key))
+        found = self._locate_key(key)
         if found is None:
             return None
         segment, offset, size = found
         return self.segment_path(segment), offset, size
+
+    def _locate_key(self, key: str) -> tuple[int, int, int] | None:
+        return self._locate(self.name_for(key))
 
     def _locate(
         self, name: str, db: sqlite3.Connection | None = None
@@ -213,13 +216,13 @@ class DiskTier:
         forgets them before it gives the loop up. A failed query looks up nothing.
         """
         wanted = [k for k in keys[start:stop] if type(k) is str and k not in skip]
-        names = [self.name_for(key) for key in wanted]
-        self._expected = dict.fromkeys(names)  # None: no entry
+        names = {self.name_for(key): key for key in wanted}
+        self._expected = dict.fromkeys(wanted)  # None: no entry
         try:
             if names:
                 with self._read_lock:
-                    found = _index.find_many(self._rdb, names, HEADER.size, self.budget)
-                self._expected.update(found)
+                    found = _index.find_many(self._rdb, list(names), HEADER.size, self.budget)
+                self._expected.update((names[name], row) for name, row in found.items())
         except (sqlite3.Error, IntegrityError):
             self._expected = {}  # each read asks on its own, and reports a damaged row
         return stop
@@ -265,9 +268,8 @@ class DiskTier:
         """
         if not self._nowait:
             return WOULD_BLOCK
-        name = self.name_for(key)
-        try:
-            found = self._expected.pop(name) if name in self._expected else self._locate(name)
+        try:  # a key expect() looked up is not hashed and asked for again
+            found = self._expected.pop(key) if key in self._expected else self._locate_key(key)
         except sqlite3.OperationalError:
             return WOULD_BLOCK
         if found is None:
