@@ -89,7 +89,9 @@ class Prefetcher(AsyncResource):
             adapt it (start at 8; double after a stall; shrink by one while more than half
             the window sits ready and unread).
         max_inflight: fetches in flight at once (S3 clients degrade beyond about 32).
-        max_bytes: fetched bytes held ahead of the consumer; no new fetch starts beyond it.
+        max_bytes: fetched bytes held ahead of the consumer; no new fetch starts beyond it,
+            except one when nothing is held or in flight (an item larger than ``max_bytes``
+            comes, alone).
         on_error: ``"raise"`` raises a failed key's error when the consumer reaches it;
             ``"skip"`` skips the key and counts it.
 
@@ -312,7 +314,8 @@ class Prefetcher(AsyncResource):
                 # against max_bytes at the size seen so far.
                 room = 1  # until a size is known
                 if self._avg_size is not None:
-                    left = (self._max_bytes - self._ready_bytes) / self._avg_size
+                    # Empty items (an average of 0) take no room: the window bounds them.
+                    left = (self._max_bytes - self._ready_bytes) / max(self._avg_size, 1.0)
                     room = max(1, min(limit - len(window), int(left)))
                 run = self._warm_cache.get_ready(ahead, start, start + room)
                 if run:
@@ -327,11 +330,13 @@ class Prefetcher(AsyncResource):
             if inflight >= self._max_inflight:
                 break
             # Bytes in flight count against max_bytes at the average item size seen so far;
-            # until one item has arrived, sizes are unknown: start only a few fetches.
+            # until one item has arrived, sizes are unknown: start only a few fetches. An
+            # empty window always gets one: items larger than max_bytes come one at a time
+            # (an empty window after filling means the plan is done).
             if self._avg_size is None:
                 if inflight >= _FIRST_FETCHES:
                     break
-            elif self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
+            elif window and self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
                 break
             key = ahead[start]
             self._next = start + 1
