@@ -26,7 +26,7 @@ import xxhash
 
 from .._concurrency import with_retries
 from ..errors import AsyncStoreError, IntegrityError, NotFound
-from ..stores import CheckedUploads, Store
+from ..stores import CheckedUploads, LentWrites, Loan, Store
 from ._leases import LeaseHolder
 from ._packfile import PackId
 from ._packfile import whole as pack_whole
@@ -122,23 +122,41 @@ async def copy_object(source: Store, target: Store, key: str, name: str | None =
 
 
 async def send_checked(
-    target: Store, name: str, chunks: AsyncIterable[bytes | memoryview], origin: str
+    target: Store,
+    name: str,
+    chunks: AsyncIterable[bytes | memoryview | tuple[memoryview, Loan]],
+    origin: str,
 ) -> int:
     """Write ``chunks`` to ``target`` as ``name``, all at once or not at all, and check the
     copy as :func:`copy_object` does; return its size. ``origin`` names where the bytes
     come from, for the error.
 
-    Each chunk is done with once the next is asked for (its buffer may be reused). An error
-    from ``chunks`` aborts the write: nothing appears under ``name``.
+    Each chunk is done with once the next is asked for (its buffer may be reused), unless
+    it comes with a :class:`~asyncstore.stores.Loan` (see :meth:`Tail.chunks`): then a
+    writer that takes lent memory keeps a view of it, and the loan is released here once
+    the chunk is written. An error from ``chunks`` aborts the write: nothing appears under
+    ``name``.
     """
     sent = xxhash.xxh3_64()
     size = 0
     writer = target.open_writer(name)
     async with writer:
         async for chunk in chunks:
-            sent.update(chunk)
-            size += len(chunk)
-            await writer.write(chunk)
+            if not isinstance(chunk, tuple):
+                sent.update(chunk)
+                size += len(chunk)
+                await writer.write(chunk)
+                continue
+            view, loan = chunk
+            sent.update(view)
+            size += len(view)
+            try:
+                if isinstance(writer, LentWrites):
+                    await writer.write_lent(view, loan)
+                else:
+                    await writer.write(view)
+            finally:
+                loan.release()
     if isinstance(writer, CheckedUploads) and writer.server_checked:
         return size  # the server checked each part against the bytes sent
     back = xxhash.xxh3_64()

@@ -27,6 +27,7 @@ import zstandard
 from .._concurrency import TaskSet, abandon, forget_errors, shield, to_thread, wait_shared
 from .._iov import ALIGN
 from ..errors import AsyncStoreError
+from ..stores import Loan
 from . import _format as fmt
 from ._codec import ENCODERS, Codecs, Encoded, Known
 from ._handle import SaveResult
@@ -122,9 +123,13 @@ class SaveJob:
     2. A copy thread or a GPU's side stream fills it; the snapshot waits for every copy
        thread before it returns. One encoder thread then reads it (after the side
        stream's copies, by their events).
-    3. The writer hands views of it to the sink (a local file may take them straight from
-       the slab, ``O_DIRECT``). Once the segment is written the writer gives the slab back
-       at once, so that a snapshot larger than the pool can go on.
+    3. The writer lends views of it to the sink: a local file takes them straight from the
+       slab (``O_DIRECT``), an S3 writer keeps them in the parts it sends (a
+       :class:`~asyncstore.stores.Loan`, no copy). The slab goes back to the pool once the
+       segment is written and every part holding a view of it is sent, so that a snapshot
+       larger than the pool can go on. While the snapshot waits for a slab, the sink is
+       asked to copy what it holds for a part not yet full (:meth:`Sink.unlend`): that
+       part waits for the next segment, which waits for the slab.
     4. A save that fails or is cancelled gives every slab still held back in
        :meth:`_close`: after the snapshot has ended (it may still be copying into slabs),
        after every copy and encoder thread has ended, and after every device-to-host copy
@@ -164,6 +169,7 @@ class SaveJob:
         self._copier: Copier | None = None
         self._writer: asyncio.Task[SaveResult] | None = None
         self._snapshot_seconds: float | None = None  # set once the snapshot is taken
+        self._starved = False  # the snapshot is waiting for a slab
         self._running = {_SNAPSHOT, _WRITER}  # the parts not ended yet; the last one closes
         self._error: BaseException | None = None  # what ended the save, if anything did
 
@@ -325,11 +331,16 @@ class SaveJob:
         copier.dispatch()  # about to wait: copy what is planned meanwhile
         if not self._pool.can_acquire():
             self._gate.set()  # slabs come back only once written: start the pipeline now
+            # A part not yet full waits for the next segment, which waits for a slab: the
+            # sink copies it and lets go of its slabs (again before each wait of the writer).
+            self._starved = True
+            self._sink.unlend()
         # Wait for a slab, unless the writer fails meanwhile (then no slab comes back).
         acquire = self._tasks.spawn(self._pool.acquire(), name="wait for a staging slab")
         try:
             await asyncio.wait((acquire, self._writer), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            self._starved = False
             if not acquire.done():
                 acquire.cancel()
                 await asyncio.wait([acquire])
@@ -398,12 +409,21 @@ class SaveJob:
         assert offset == self._structure_chunk.offset
         if pack is not None:
             await data.append(fmt.PACK_MAGIC)
-        while (task := await self._queue.get()) is not None:
+        while True:
+            if self._starved and self._queue.empty():
+                data.sink.unlend()  # see _wait_for_slab
+            task = await self._queue.get()
+            if task is None:
+                break
             segment, encoded = await task
-            await data.append_segment(segment, encoded)
-            del encoded  # views of the slab: gone before it is reused
-            if self._held.pop(id(segment.slab), None) is not None:
-                self._pool.release(segment.slab)
+            slab = self._held.pop(id(segment.slab))
+            # From here the loan gives the slab back, once the sink is done with its views.
+            loan = Loan(functools.partial(self._pool.release, slab))
+            try:
+                await data.append_segment(segment, encoded, loan)
+            finally:
+                del encoded  # views of the slab: gone before it is reused
+                loan.release()
         if pack is not None:
             # The pack commits before the checkpoint that points into it; one that nothing
             # points to (a crash in between) is removed by the next cleanup.
@@ -501,9 +521,9 @@ class _Layout:
         index = fmt.INLINE if pack is None else self.packs.setdefault(pack, len(self.packs))
         self.chunk_packs[storage].append(index)
 
-    async def _put(self, data: memoryview | bytes | bytearray) -> None:
+    async def _put(self, data: memoryview | bytes | bytearray, loan: Loan | None = None) -> None:
         started = time.perf_counter()
-        await self.sink.write(data)
+        await self.sink.write(data, loan)
         self.write_seconds += time.perf_counter() - started
         self.written += len(data)
 
@@ -514,8 +534,9 @@ class _Layout:
         await self._put(data)
         return offset
 
-    async def append_segment(self, segment: Segment, encoded: list[Encoded]) -> None:
-        """Write a segment's chunks, and record where each landed."""
+    async def append_segment(self, segment: Segment, encoded: list[Encoded], loan: Loan) -> None:
+        """Write a segment's chunks, and record where each landed; views of its slab are
+        lent to the sink under ``loan``."""
         # Few large writes, not one per chunk (a model has hundreds of small tensors, and a
         # write can cost a thread hop): raw chunks lie one after another in the slab, so a
         # run of them goes out as one view of it; small compressed ones are gathered.
@@ -539,7 +560,7 @@ class _Layout:
                         await self._put(small)
                         small = bytearray()
                     if run is not None:
-                        await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                        await self._put(byte_view(segment.slab, run[0], run[1] - run[0]), loan)
                         run = None
                     await self._put(bytes(pad))
                     self.position += pad
@@ -564,11 +585,11 @@ class _Layout:
                     run = (run[0], end)
                     continue
                 if run is not None:
-                    await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                    await self._put(byte_view(segment.slab, run[0], run[1] - run[0]), loan)
                 run = (start, end)
                 continue
             if run is not None:
-                await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+                await self._put(byte_view(segment.slab, run[0], run[1] - run[0]), loan)
                 run = None
             if len(item.stored) >= _SMALL_WRITE:
                 if small:
@@ -578,7 +599,7 @@ class _Layout:
             else:
                 small += item.stored
         if run is not None:
-            await self._put(byte_view(segment.slab, run[0], run[1] - run[0]))
+            await self._put(byte_view(segment.slab, run[0], run[1] - run[0]), loan)
         if small:
             await self._put(small)
 

@@ -13,10 +13,12 @@ stall the next snapshot). So the mirror reads the local file back as it grows:
 - the mirror's upload (:meth:`Tail.chunks`) reads those bytes back through its own
   descriptors, opened on the temporary file as the write begins, so that it reads exactly
   this save's bytes whatever later happens to the file's name. It reads around the page
-  cache (``O_DIRECT``) into one aligned buffer where the file system allows it: the pack
-  was written around it, and filling the page cache to read it back costs more CPU than
-  the whole upload (0.5 CPU seconds per 256 MiB on this project's test machine, against
-  0.02 for a direct read);
+  cache (``O_DIRECT``) into aligned buffers where the file system allows it: the pack was
+  written around it, and filling the page cache to read it back costs more CPU than the
+  whole upload (0.5 CPU seconds per 256 MiB on this project's test machine, against 0.02
+  for a direct read). Each buffer is lent to the mirror's writer (a
+  :class:`~asyncstore.stores.Loan`: its parts keep views, no copy) and read into again
+  once returned; the writer's own back-pressure bounds how many are out;
 - its last chunk comes only once the manager says the version naming the pack committed
   locally (:meth:`Tail.release`): the mirror's multipart upload completes after that, and
   the mirror never holds a pack (or version) that the local store does not.
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import mmap
 import os
 from collections.abc import AsyncGenerator, Coroutine
@@ -38,6 +41,7 @@ from typing import Any
 from .._concurrency import TaskSet, to_thread
 from .._iov import ALIGN
 from ..errors import AsyncStoreError, IntegrityError
+from ..stores import Loan
 from ._target import Sink, StoreSink
 
 __all__ = ["Tail", "TailedSink", "Untailed"]
@@ -60,7 +64,6 @@ class Tail:
         self.key = key  # the pack's key, in the local store and the mirror alike
         self._fd: int | None = None
         self._direct_fd: int | None = None  # the same file, read around the page cache
-        self._buffer: mmap.mmap | None = None  # page-aligned, for direct reads
         self._settled = 0  # leading bytes of the file written for good
         self._size: int | None = None  # the whole pack's size, once it committed
         self._released = False  # the version naming it committed
@@ -147,19 +150,23 @@ class Tail:
             if fd is not None:
                 os.close(fd)
         self._fd = self._direct_fd = None
-        self._buffer = None  # freed with the last view of it
 
     # -- the upload's side -------------------------------------------------------------------
 
-    async def chunks(self, chunk_bytes: int) -> AsyncGenerator[memoryview, None]:
+    async def chunks(self, chunk_bytes: int) -> AsyncGenerator[tuple[memoryview, Loan], None]:
         """The pack's bytes in order, ``chunk_bytes`` (a multiple of 4096) at a time, each as
-        soon as it is written; the last once the version committed. Each chunk is a view
-        of one buffer, valid until the next is asked for.
+        soon as it is written; the last once the version committed.
+
+        Each chunk comes with the :class:`~asyncstore.stores.Loan` of its buffer: the chunk
+        stays valid until the loan is returned, and the consumer releases the loan once it
+        has handed the chunk on (a writer that keeps a view retains it). Buffers come back
+        for later chunks as their loans are returned; a new one is made when none has.
 
         Raises:
             Untailed: the save failed, wrote no pack, or was not followed.
             IntegrityError: the file ended before what the save reported.
         """
+        free: list[mmap.mmap] = []  # page-aligned buffers, for direct reads
         sent = 0
         while True:
             self.check()
@@ -167,10 +174,8 @@ class Tail:
             whole = self._size is not None and self._released
             if end - sent >= chunk_bytes or (whole and sent < end):
                 n = min(chunk_bytes, end - sent)
-                if self._buffer is None:
-                    self._buffer = mmap.mmap(-1, chunk_bytes)
-                buffer = memoryview(self._buffer)
-                data = await to_thread(self._read, buffer, sent, n, background=True)
+                buffer = free.pop() if free else mmap.mmap(-1, chunk_bytes)
+                data = await to_thread(self._read, memoryview(buffer), sent, n, background=True)
                 if len(data) != n:
                     raise IntegrityError(
                         f"{self.key}: the file read back ends at {sent + len(data)} bytes, "
@@ -179,7 +184,7 @@ class Tail:
                 if not self._released:
                     self.early_bytes += n
                 sent += n
-                yield data
+                yield data, Loan(functools.partial(free.append, buffer))
                 continue
             if whole:
                 return
@@ -217,11 +222,14 @@ class TailedSink(Sink):
     def direct_bytes(self) -> int:
         return self._sink.direct_bytes
 
-    async def write(self, data: memoryview | bytes | bytearray) -> None:
-        await self._sink.write(data)
+    async def write(self, data: memoryview | bytes | bytearray, loan: Loan | None = None) -> None:
+        await self._sink.write(data, loan)
         progress = self._sink.settled()
         if progress is not None:
             self._tail.grew(progress[1])
+
+    def unlend(self) -> None:
+        self._sink.unlend()
 
     async def commit(self) -> None:
         await self._sink.commit()

@@ -19,6 +19,8 @@ from ..errors import (
 )
 from ..stores import (
     CleansUpWrites,
+    LentWrites,
+    Loan,
     LocalFiles,
     PinnedReads,
     Store,
@@ -42,8 +44,14 @@ class Sink:
         """Bytes a local file took around the page cache, without a copy."""
         return 0
 
-    async def write(self, data: memoryview | bytes | bytearray) -> None:
+    async def write(self, data: memoryview | bytes | bytearray, loan: Loan | None = None) -> None:
+        """Append ``data``. With ``loan``, its owner keeps it unchanged until the loan is
+        returned, and the sink may hold a view of it instead of a copy (see
+        :class:`~asyncstore.stores.LentWrites`)."""
         raise NotImplementedError
+
+    def unlend(self) -> None:
+        """Let go of lent memory held for bytes not being sent yet (copying them)."""
 
     async def commit(self) -> None:
         raise NotImplementedError
@@ -310,11 +318,19 @@ class StoreSink(Sink):
         settled: tuple[str, int] | None = getattr(self._writer, "settled", None)
         return settled
 
-    async def write(self, data: memoryview | bytes | bytearray) -> None:
+    async def write(self, data: memoryview | bytes | bytearray, loan: Loan | None = None) -> None:
         if not self._opened:
             await self.open()
-        assert self._writer is not None
-        await self._writer.write(data)
+        writer = self._writer
+        assert writer is not None
+        if loan is not None and isinstance(data, memoryview) and isinstance(writer, LentWrites):
+            await writer.write_lent(data, loan)
+        else:
+            await writer.write(data)
+
+    def unlend(self) -> None:
+        if isinstance(self._writer, LentWrites):
+            self._writer.unlend()
 
     async def commit(self) -> None:
         if not self._opened:
@@ -347,7 +363,7 @@ class FileSink(Sink):
         self._file = file
         self._limiter = asyncio.Semaphore(1)
 
-    async def write(self, data: memoryview | bytes | bytearray) -> None:
+    async def write(self, data: memoryview | bytes | bytearray, loan: Loan | None = None) -> None:
         await to_thread(_write_fully, self._file, data, limiter=self._limiter)
 
     async def commit(self) -> None:

@@ -8,12 +8,13 @@ from __future__ import annotations
 import typing
 
 from ._base import DEFAULT_CHUNK_BYTES, ObjectInfo, Reader, Store, Writer
-from ._capabilities import CheckedUploads, CleansUpWrites, LocalFiles, PinnedReads
+from ._capabilities import CheckedUploads, CleansUpWrites, LentWrites, LocalFiles, PinnedReads
 from ._keys import MAX_KEY_BYTES, check_key, check_key_list, check_range
 from ._open import is_local, local_path, open_store, options_from_text
 from ._redact import redact
 from ._s3config import S3Config
 from ._stats import LATENCY_BUCKETS, RequestStats, StoreStats
+from ._streams import Loan
 from .local import LocalConfig, LocalStore
 from .memory import MemoryStore, drop_memory_store
 
@@ -27,6 +28,8 @@ __all__ = [
     "Reader",
     "Writer",
     "CheckedUploads",
+    "LentWrites",
+    "Loan",
     "CleansUpWrites",
     "LocalFiles",
     "PinnedReads",

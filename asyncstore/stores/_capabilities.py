@@ -11,8 +11,9 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from ._base import Writer
+from ._streams import Loan
 
-__all__ = ["CleansUpWrites", "CheckedUploads", "LocalFiles", "PinnedReads"]
+__all__ = ["CleansUpWrites", "CheckedUploads", "LentWrites", "LocalFiles", "PinnedReads"]
 
 
 @runtime_checkable
@@ -102,4 +103,24 @@ class CheckedUploads(Protocol):
         """After the commit: whether the server confirmed the checksum of every part sent.
         ``False`` before the commit, for a server that ignores checksums, or with
         ``checksum=None``: read the object back to be sure."""
+        ...
+
+
+@runtime_checkable
+class LentWrites(Protocol):
+    """A writer that can take memory lent to it instead of copying it (every writer of the
+    built-in stores; S3 writers keep views of lent bytes in the parts they send).
+
+    The checkpoint engine lends its staging slabs this way: each slab goes back to the pool
+    once the parts holding views of it are sent.
+    """
+
+    async def write_lent(self, data: memoryview, loan: Loan) -> None:
+        """Append ``data``, which its owner keeps unchanged until ``loan`` is returned; the
+        writer retains ``loan`` for as long as it holds a view of ``data``."""
+        ...
+
+    def unlend(self) -> None:
+        """Copy the lent bytes held for a part not yet full and let go of their loans (an
+        owner short of memory asks this; views of parts being sent are kept until sent)."""
         ...

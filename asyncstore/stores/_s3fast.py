@@ -59,10 +59,14 @@ class S3HTTPError(Exception):
         self.message = message
 
 
-def crc32c_of(data: bytes | memoryview) -> str:
-    """The CRC32C of ``data`` as S3 spells it (``x-amz-checksum-crc32c``): base64 of the
-    big-endian 32-bit value. Releases the GIL over large buffers."""
-    return base64.b64encode(checksums.crc32c(data).to_bytes(4, "big")).decode()
+def crc32c_of(*data: bytes | memoryview) -> str:
+    """The CRC32C of the buffers ``data``, one after the other, as S3 spells it
+    (``x-amz-checksum-crc32c``): base64 of the big-endian 32-bit value. Releases the GIL
+    over large buffers."""
+    crc = 0
+    for buffer in data:
+        crc = checksums.crc32c(buffer, crc)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def combined_crc32c(parts: list[str]) -> str:
@@ -73,24 +77,34 @@ def combined_crc32c(parts: list[str]) -> str:
 
 
 class _Slices(aiohttp.payload.Payload):
-    """A request body sent from memory as it lies: slices of one memoryview, no copy."""
+    """A request body sent from memory as it lies: slices of its memoryviews, in order, no
+    copy (a part of a multipart upload may be views of several buffers)."""
 
-    _value: memoryview
+    _value: list[memoryview]
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(self, data: list[memoryview]) -> None:
         super().__init__(data, content_type="application/octet-stream")
-        self._size = data.nbytes
+        self._size = sum(view.nbytes for view in data)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
-        return self._value.tobytes().decode(encoding, errors)
+        return b"".join(self._value).decode(encoding, errors)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"".join(self._value)
 
     async def write(self, writer: Any) -> None:
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        view = self._value if content_length is None else self._value[:content_length]
-        for start in range(0, len(view), _SLICE):
-            await writer.write(view[start : start + _SLICE])  # drains past its high mark
+        total = sum(view.nbytes for view in self._value)
+        left = total if content_length is None else min(content_length, total)
+        for view in self._value:
+            view = view[:left]
+            for start in range(0, len(view), _SLICE):
+                await writer.write(view[start : start + _SLICE])  # drains past its high mark
+            left -= len(view)
+            if not left:
+                return
 
 
 class _BodySigner(S3SigV4Auth):  # type: ignore[misc]
@@ -212,14 +226,14 @@ class SignedRequests:
     async def put(
         self,
         key: str,
-        body: memoryview,
+        body: list[memoryview],
         *,
         crc32c: str | None,
         sha256: str | None = None,
         query: dict[str, str] | None = None,
     ) -> Mapping[str, str]:
-        """PUT ``body`` to ``key`` (a full key), with ``query`` (``partNumber`` and
-        ``uploadId`` for a part); returns the response headers.
+        """PUT ``body`` (byte views, sent one after the other) to ``key`` (a full key), with
+        ``query`` (``partNumber`` and ``uploadId`` for a part); returns the response headers.
 
         ``crc32c`` (from :func:`crc32c_of`) goes in ``x-amz-checksum-crc32c`` for the server
         to check. The payload is unsigned unless ``sha256`` (its hex digest) is given, for a
@@ -229,7 +243,7 @@ class SignedRequests:
         url = self._base + quote(key, safe="/~")
         if query:
             url += "?" + urlencode(sorted(query.items()), quote_via=quote, safe="~")
-        headers = {"Content-Length": str(body.nbytes)}
+        headers = {"Content-Length": str(sum(view.nbytes for view in body))}
         if crc32c is not None:
             headers["x-amz-checksum-crc32c"] = crc32c
         request = await self._signed("PUT", url, headers, payload=sha256 or _UNSIGNED)

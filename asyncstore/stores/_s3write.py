@@ -1,12 +1,16 @@
 """Writes to S3: :class:`S3Writer`, behind every ``open_writer`` of an S3 store and every
 ``put`` larger than one part, and :func:`put_object`, a single PUT.
 
-A writer buffers up to one part. An object that fits in one part becomes a single PUT; a
+A writer gathers up to one part. An object that fits in one part becomes a single PUT; a
 larger one becomes a multipart upload whose parts go out in background tasks, at most
 ``upload_max_inflight`` at a time, and which is aborted if the write fails or is cancelled.
 Bodies go out on the fast path (:mod:`._s3fast`): from memory as they lie, the payload
-unsigned, each with its CRC32C for the server to check. Each byte is copied once on its way
-to the socket: into the part buffer (none for ``put`` of an in-memory object).
+unsigned, each with its CRC32C for the server to check.
+
+A part is a list of views. Bytes given with :meth:`~S3Writer.write` are copied once, into
+the part's buffer; bytes *lent* (:meth:`~S3Writer.write_lent`: a checkpoint's staging
+slabs, a ``put`` of an in-memory object, an immutable ``bytes``) are not copied at all: the
+part keeps a view of them and holds their :class:`~._streams.Loan` until it is sent.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from ._base import ObjectInfo
 from ._s3base import S3StoreBase
 from ._s3fast import combined_crc32c, crc32c_of
 from ._s3responses import error_code, object_info
-from ._streams import BaseWriter
+from ._streams import BaseWriter, Loan
 
 _T = TypeVar("_T")
 _logger = logging.getLogger("asyncstore.s3")
@@ -35,21 +39,36 @@ _logger = logging.getLogger("asyncstore.s3")
 _MAX_PARTS = 10_000
 # Below this, a body's checksums are computed on the event loop: a thread hop costs more.
 _INLINE_DIGEST = 1 << 20
+# Lent pieces smaller than this are copied all the same: a part of many small views would
+# cost a socket write and a checksum call for each.
+_LEND_FROM = 64 << 10
 
 
-async def _digests(store: S3StoreBase, body: memoryview) -> tuple[str | None, str | None]:
-    """The body's CRC32C (when the store sends checksums) and SHA-256 (when it signs
-    payloads), on a worker thread for a large body."""
+async def _digests(store: S3StoreBase, body: list[memoryview]) -> tuple[str | None, str | None]:
+    """The CRC32C (when the store sends checksums) and SHA-256 (when it signs payloads) of
+    ``body``'s views one after the other, on a worker thread for a large body."""
     config = store.config
 
     def digest() -> tuple[str | None, str | None]:
-        crc = crc32c_of(body) if config.checksum == "crc32c" else None
-        sha = hashlib.sha256(body).hexdigest() if config.sign_payload else None
+        crc = crc32c_of(*body) if config.checksum == "crc32c" else None
+        sha = None
+        if config.sign_payload:
+            hasher = hashlib.sha256()
+            for view in body:
+                hasher.update(view)
+            sha = hasher.hexdigest()
         return crc, sha
 
     if config.checksum is None and not config.sign_payload:
         return None, None
-    return digest() if body.nbytes <= _INLINE_DIGEST else await to_thread(digest)
+    size = sum(view.nbytes for view in body)
+    return digest() if size <= _INLINE_DIGEST else await to_thread(digest)
+
+
+def _release(loans: list[Loan]) -> None:
+    for loan in loans:
+        loan.release()
+    loans.clear()
 
 
 def _checked(store: S3StoreBase, key: str, sent: str | None, headers: Mapping[str, str]) -> bool:
@@ -68,9 +87,11 @@ def _checked(store: S3StoreBase, key: str, sent: str | None, headers: Mapping[st
     return True
 
 
-async def put_object(store: S3StoreBase, key: str, body: memoryview) -> tuple[ObjectInfo, bool]:
-    """One PUT of ``body`` to ``key`` on the fast path; returns the object's info and whether
-    the server checked the body's checksum."""
+async def put_object(
+    store: S3StoreBase, key: str, body: list[memoryview]
+) -> tuple[ObjectInfo, bool]:
+    """One PUT of ``body`` (views, one after the other) to ``key`` on the fast path; returns
+    the object's info and whether the server checked the body's checksum."""
     crc, sha = await _digests(store, body)
 
     async def attempt(_: Any) -> Mapping[str, str]:
@@ -78,21 +99,25 @@ async def put_object(store: S3StoreBase, key: str, body: memoryview) -> tuple[Ob
         return await store._fast.put(store._root + key, body, crc32c=crc, sha256=sha)
 
     headers = await store._call(key, "put", attempt)
-    info = object_info(key, {"ETag": headers.get("ETag")}, size=body.nbytes)
+    size = sum(view.nbytes for view in body)
+    info = object_info(key, {"ETag": headers.get("ETag")}, size=size)
     return msgspec.structs.replace(info, mtime=time.time()), _checked(store, key, crc, headers)
 
 
 class S3Writer(BaseWriter):
-    """Buffers up to one part; a small object becomes one PUT, a large one a multipart upload
-    whose parts upload in background tasks, ``upload_max_inflight`` at a time."""
+    """Gathers up to one part; a small object becomes one PUT, a large one a multipart
+    upload whose parts upload in background tasks, ``upload_max_inflight`` at a time."""
 
     _store: S3StoreBase
 
     def __init__(self, store: S3StoreBase, key: str) -> None:
         super().__init__(store, key)
-        # A BytesIO, not a bytearray: getvalue() hands its storage over as bytes without a
-        # copy, so each byte is copied once on its way to the socket (into this buffer).
-        self._buffer = io.BytesIO()
+        # The part being gathered: views in order, then what is being copied (a BytesIO,
+        # not a bytearray: getvalue() hands its storage over without a copy).
+        self._views: list[memoryview] = []
+        self._copy = io.BytesIO()
+        self._gathered = 0  # bytes of the part so far, views and copy
+        self._loans: list[Loan] = []  # held for the views of the part being gathered
         self._upload_id: str | None = None
         self._uploads = TaskSet(f"the upload of {store.where(key)}")
         self._parts: list[asyncio.Task[dict[str, Any]]] = []  # in part order
@@ -106,61 +131,87 @@ class S3Writer(BaseWriter):
         sent with it (see :class:`~asyncstore.stores.CheckedUploads`)."""
         return self.info is not None and self._server_checked
 
-    async def write_in_place(self, data: memoryview) -> None:
-        """Write all of an in-memory object, each part a slice of ``data`` (no copy into the
-        part buffer): ``data`` must stay unchanged until the writer commits."""
-        await self._write(data, copy=False)
-        self._written += len(data)
-
     def _part_bytes(self) -> int:
         # Grow parts every 1000 so that 10,000 parts reach 55,000 x part_bytes (880 GiB at
         # 16 MiB) instead of stopping a long stream at 10,000 x part_bytes.
         return self._store.config.part_bytes * (1 + (self._next_part - 1) // 1000)
 
-    def _take_buffer(self) -> bytes:
-        data = self._buffer.getvalue()
-        self._buffer = io.BytesIO()
-        return data
+    def _seal(self) -> None:
+        # The bytes copied so far become the part's next view.
+        if self._copy.tell():
+            self._views.append(memoryview(self._copy.getvalue()))
+            self._copy = io.BytesIO()
 
-    async def _write(self, data: memoryview, *, copy: bool = True) -> None:
+    def _take_part(self) -> tuple[list[memoryview], list[Loan]]:
+        self._seal()
+        views, loans = self._views, self._loans
+        self._views, self._loans, self._gathered = [], [], 0
+        return views, loans
+
+    async def _write(self, data: memoryview) -> None:
+        await self._gather(data, None)
+
+    async def _write_lent(self, data: memoryview, loan: Loan) -> None:
+        await self._gather(data, loan)
+
+    async def _gather(self, data: memoryview, loan: Loan | None) -> None:
         offset = 0
         while offset < len(data):
             size = self._part_bytes()
-            buffered = self._buffer.tell()
-            if not buffered and len(data) - offset >= size and not copy:
-                # put() of an in-memory object: each part is one slice of it, sent as it lies.
-                await self._send(data[offset : offset + size])
-                offset += size
-                continue
-            take = min(size - buffered, len(data) - offset)
-            self._buffer.write(data[offset : offset + take])
+            take = min(size - self._gathered, len(data) - offset)
+            piece = data[offset : offset + take]
+            if loan is None or take < _LEND_FROM:
+                self._copy.write(piece)
+            else:
+                self._seal()
+                loan.retain()
+                self._loans.append(loan)
+                self._views.append(piece)
+            self._gathered += take
             offset += take
-            if buffered + take >= size:
-                await self._send(self._take_buffer())
+            if self._gathered >= size:
+                await self._send(*self._take_part())
 
-    async def _send(self, part: bytes | memoryview) -> None:
-        if self._upload_id is None:
-            self._upload_id = await self._create()
-        # Back-pressure: wait for the oldest part when the window is full, so memory stays
-        # bounded and an upload failure surfaces at the next write, not only at the end.
-        limit = self._store.config.upload_max_inflight
-        while sum(not t.done() for t in self._parts) >= limit:
-            await asyncio.wait(
-                [t for t in self._parts if not t.done()], return_when=asyncio.FIRST_COMPLETED
-            )
-        for task in self._parts:
-            if task.done() and task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
-        number = self._next_part
-        self._next_part += 1
-        if number > _MAX_PARTS:
-            raise StoreError(
-                f"{self._store.where(self._key)}: more than {_MAX_PARTS} parts; "
-                "open the store with a larger part_bytes"
-            )
-        self._parts.append(
-            self._uploads.spawn(self._upload_part(number, part), name=f"upload part {number}")
-        )
+    def unlend(self) -> None:
+        """Copy the lent views of the part being gathered, and let go of their loans."""
+        if not self._loans:
+            return
+        self._seal()
+        joined = b"".join(self._views)
+        self._views = [memoryview(joined)] if joined else []
+        _release(self._loans)
+
+    async def _send(self, part: list[memoryview], loans: list[Loan]) -> None:
+        # Sends ``part``, holding ``loans`` until it is sent; lets go of them on every path.
+        try:
+            if self._upload_id is None:
+                self._upload_id = await self._create()
+            # Back-pressure: wait for the oldest part when the window is full, so memory
+            # stays bounded and an upload failure surfaces at the next write, not only at
+            # the end.
+            limit = self._store.config.upload_max_inflight
+            while sum(not t.done() for t in self._parts) >= limit:
+                await asyncio.wait(
+                    [t for t in self._parts if not t.done()], return_when=asyncio.FIRST_COMPLETED
+                )
+            for task in self._parts:
+                if task.done() and task.exception() is not None:
+                    raise task.exception()  # type: ignore[misc]
+            number = self._next_part
+            self._next_part += 1
+            if number > _MAX_PARTS:
+                raise StoreError(
+                    f"{self._store.where(self._key)}: more than {_MAX_PARTS} parts; "
+                    "open the store with a larger part_bytes"
+                )
+            upload = self._upload_part(number, part)
+            task = self._uploads.spawn(upload, name=f"upload part {number}")
+        except BaseException:
+            _release(loans)
+            raise
+        # Done callbacks run however the task ends, even cancelled before its first step.
+        task.add_done_callback(lambda _: _release(loans))
+        self._parts.append(task)
 
     async def _create(self) -> str:
         async def attempt(client: Any) -> str:
@@ -179,8 +230,7 @@ class S3Writer(BaseWriter):
         self._creating = None
         return upload_id
 
-    async def _upload_part(self, number: int, part: bytes | memoryview) -> dict[str, Any]:
-        body = memoryview(part).cast("B")
+    async def _upload_part(self, number: int, body: list[memoryview]) -> dict[str, Any]:
         crc, sha = await _digests(self._store, body)
         query = {"partNumber": str(number), "uploadId": str(self._upload_id)}
 
@@ -218,12 +268,14 @@ class S3Writer(BaseWriter):
     async def _commit(self) -> ObjectInfo:
         if self._upload_id is None:
             # Everything fit in one part: a single PUT, no multipart overhead.
-            info, self._server_checked = await put_object(
-                self._store, self._key, memoryview(self._take_buffer())
-            )
+            views, loans = self._take_part()
+            try:
+                info, self._server_checked = await put_object(self._store, self._key, views)
+            finally:
+                _release(loans)
             return info
-        if self._buffer.tell():
-            await self._send(self._take_buffer())
+        if self._gathered:
+            await self._send(*self._take_part())
         done = [await task for task in self._parts]
         flags = [part.pop("checked") for part in done]  # out of every part: not S3's field
         checked = all(flags)
@@ -258,7 +310,7 @@ class S3Writer(BaseWriter):
         return msgspec.structs.replace(info, mtime=time.time())
 
     async def _abort(self) -> None:
-        self._buffer = io.BytesIO()
+        _release(self._take_part()[1])
         creating, self._creating = self._creating, None
         if creating is not None and self._upload_id is None:
             # Cancelled while CreateMultipartUpload was in flight (no part was sent yet):

@@ -8,6 +8,7 @@ store builds them, they never build a store.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from types import TracebackType
 from typing import Literal, Protocol, Self
 
@@ -18,7 +19,7 @@ from .._resource import AsyncResource
 from ..errors import StoreClosed, StoreError
 from ._base import ObjectInfo, as_buffer
 
-__all__ = ["CLEANUP_TIMEOUT", "BaseReader", "BaseWriter", "Owner"]
+__all__ = ["CLEANUP_TIMEOUT", "BaseReader", "BaseWriter", "Loan", "Owner", "unchanging"]
 
 # Closing a writer (abort or commit) must finish even when the caller is being cancelled,
 # otherwise a cancelled save would leave a temp file or an open multipart upload behind. This
@@ -39,6 +40,50 @@ class Owner(Protocol):
         ...
 
     def _check_open(self) -> None: ...
+
+
+class Loan:
+    """Memory lent to writers (:meth:`BaseWriter.write_lent`): ``on_return`` runs once, when
+    the lender and every writer holding a view of it have let go.
+
+    The lender holds it from the start and calls :meth:`release` once done handing it out;
+    a writer that keeps a view calls :meth:`retain` first and :meth:`release` when it no
+    longer reads it. All on one event loop.
+    """
+
+    __slots__ = ("_holders", "_on_return")
+
+    def __init__(self, on_return: Callable[[], None]) -> None:
+        self._holders = 1
+        self._on_return: Callable[[], None] | None = on_return
+
+    @property
+    def returned(self) -> bool:
+        """Whether every holder let go (``on_return`` ran)."""
+        return self._on_return is None
+
+    def retain(self) -> None:
+        """One more holder; it must :meth:`release` later."""
+        if self._on_return is None:
+            raise RuntimeError("a returned loan cannot be held again")
+        self._holders += 1
+
+    def release(self) -> None:
+        """One holder lets go; the last one runs ``on_return``."""
+        self._holders -= 1
+        if self._holders == 0 and self._on_return is not None:
+            on_return, self._on_return = self._on_return, None
+            on_return()
+
+
+def _nothing() -> None:
+    pass
+
+
+def unchanging() -> Loan:
+    """A loan of memory that stays unchanged for as long as any writer holds it: an
+    immutable ``bytes``, or a buffer its owner keeps unchanged until the commit."""
+    return Loan(_nothing)
 
 
 class BaseWriter(AsyncResource, abc.ABC):
@@ -112,6 +157,25 @@ class BaseWriter(AsyncResource, abc.ABC):
             StoreClosed: the writer is not open (use it inside ``async with``), or its store
                 was closed meanwhile.
         """
+        # A bytes object never changes: a writer may keep it without a copy.
+        await self._accept(data, unchanging() if type(data) is bytes else None)
+
+    async def write_lent(self, data: memoryview, loan: Loan) -> None:
+        """Append ``data``, which stays unchanged until ``loan`` is returned: a writer that
+        sends bytes later (an S3 part) keeps a view of it instead of a copy, retaining
+        ``loan`` until the part is sent. Others copy, as :meth:`write` does.
+
+        Raises:
+            StoreClosed: as :meth:`write`.
+        """
+        await self._accept(data, loan)
+
+    def unlend(self) -> None:
+        """Copy what the writer holds of lent memory for bytes it cannot send yet (a part not
+        full), and let go of those loans: a lender that needs its memory back asks this.
+        Views of parts being sent are kept until each is sent."""
+
+    async def _accept(self, data: bytes | bytearray | memoryview, loan: Loan | None) -> None:
         if self._state != "open":
             raise StoreClosed(
                 f"{self._resource_name()} is {self._status()}; write inside its 'async with' block"
@@ -121,7 +185,7 @@ class BaseWriter(AsyncResource, abc.ABC):
         view = as_buffer(data, self._store.where(self._key))
         if len(view):
             try:
-                await self._write(view)
+                await (self._write(view) if loan is None else self._write_lent(view, loan))
             except BaseException as exc:
                 # Part of the data may be lost: the object must never be committed now, even
                 # if the caller catches this and leaves the block cleanly.
@@ -188,6 +252,10 @@ class BaseWriter(AsyncResource, abc.ABC):
 
     @abc.abstractmethod
     async def _write(self, data: memoryview) -> None: ...
+
+    async def _write_lent(self, data: memoryview, loan: Loan) -> None:
+        # Writers that send what they take before returning have no use for the loan.
+        await self._write(data)
 
     @abc.abstractmethod
     async def _commit(self) -> ObjectInfo: ...

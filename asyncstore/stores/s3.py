@@ -32,7 +32,7 @@ from ._s3fast import S3HTTPError
 from ._s3read import S3Reader
 from ._s3responses import Precondition, ShortBody, check_body, object_info
 from ._s3write import S3Writer, put_object
-from ._streams import BaseReader, BaseWriter
+from ._streams import BaseReader, BaseWriter, unchanging
 
 __all__ = ["S3Config", "S3Store"]
 
@@ -178,10 +178,11 @@ class S3Store(S3StoreBase):
         if len(data) > self._config.part_bytes:
             writer = S3Writer(self, key)
             async with writer:
-                await writer.write_in_place(data)
+                # put() returns after the commit: ``data`` stays unchanged until then.
+                await writer.write_lent(data, unchanging())
             assert writer.info is not None
             return writer.info
-        info, _ = await put_object(self, key, data.cast("B"))
+        info, _ = await put_object(self, key, [data.cast("B")])
         return info
 
     async def _stat(self, key: str) -> ObjectInfo:

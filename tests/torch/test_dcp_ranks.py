@@ -83,8 +83,8 @@ if job["mode"] == "die" and rank == 1:
     from asyncstore.checkpoint import _target
     real_write, calls = _target.StoreSink.write, []
 
-    async def write(self, data):
-        await real_write(self, data)
+    async def write(self, data, loan=None):
+        await real_write(self, data, loan)
         calls.append(len(data))
         if len(calls) < 2:
             return
