@@ -345,7 +345,8 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
 ) -> None:
     # The mirror's parts are views of the tail's read buffers (no copy), each read into
     # again once its part is sent: the buffers made stay bounded by what the writer keeps
-    # out (parts in flight and the one being gathered), whatever the pack's size.
+    # out (parts in flight and the one being gathered), whatever the pack's size, and the
+    # next tail reads into the same ones.
     made: list[int] = []
     real_mmap = mmap.mmap
 
@@ -355,13 +356,12 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
         return real_mmap(fileno, length, *args, **kwargs)
 
     monkeypatch.setattr("asyncstore.checkpoint._tail.mmap.mmap", counted)
+    monkeypatch.setattr("asyncstore.checkpoint._tail._FREE", {})  # none kept from before
     options = s3_options(seaweedfs, upload_max_inflight=2)  # 5 MiB parts, 2 in flight
     async with open_store(f"s3://{BUCKET}/{unique('tail')}", **options) as mirror:
         tail, sink = await followed(tmp_path)
         data = pack_bytes(40 * MiB)
-        sent = asyncio.ensure_future(
-            send_checked(mirror, KEY, tail.chunks(MiB), "the local pack")
-        )
+        sent = asyncio.ensure_future(send_checked(mirror, KEY, tail.chunks(MiB), "the local pack"))
         for start in range(0, len(data), MiB):
             await sink.write(data[start : start + MiB])
         await sink.commit()
@@ -372,3 +372,14 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
     # Out at once at most: 2 parts in flight, one waiting to go, one being gathered (5
     # chunks each), and the chunk being read; 40 were read. (Copied, one would do.)
     assert 5 < len(made) <= 4 * 5 + 1, made  # more than a part: lent, not copied
+    made.clear()
+    async with open_store(f"s3://{BUCKET}/{unique('tail')}", **options) as mirror:
+        tail, sink = await followed(tmp_path / "again")
+        sent = asyncio.ensure_future(send_checked(mirror, KEY, tail.chunks(MiB), "the local pack"))
+        for start in range(0, 8 * MiB, MiB):
+            await sink.write(data[start : start + MiB])
+        await sink.commit()
+        tail.release()
+        assert await sent == 8 * MiB
+        tail.close()
+    assert made == []  # the buffers kept from the first pack
