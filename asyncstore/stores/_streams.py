@@ -16,7 +16,7 @@ import anyio
 
 from .._concurrency import shield
 from .._resource import AsyncResource
-from ..errors import StoreClosed, StoreError
+from ..errors import InvalidArgument, StoreClosed, StoreError
 from ._base import ObjectInfo, as_buffer
 
 __all__ = ["CLEANUP_TIMEOUT", "BaseReader", "BaseWriter", "Loan", "Owner", "unchanging"]
@@ -166,8 +166,14 @@ class BaseWriter(AsyncResource, abc.ABC):
         ``loan`` until the part is sent. Others copy, as :meth:`write` does.
 
         Raises:
+            InvalidArgument: ``loan`` is not a :class:`Loan`.
             StoreClosed: as :meth:`write`.
         """
+        if not isinstance(loan, Loan):
+            raise InvalidArgument(
+                f"loan={loan!r}: pass an asyncstore.stores.Loan, whose callback runs once "
+                "the writer is done with the bytes (or use write(), which copies them)"
+            )
         await self._accept(data, loan)
 
     def unlend(self) -> None:

@@ -468,6 +468,17 @@ def test_auto_compression_counts_the_cores_the_ranks_of_a_node_share(
     assert _cores() == cores
 
 
+@pytest.mark.parametrize(("cores", "encoding"), [(1, 1), (2, 1), (3, 2), (64, 4)])
+def test_auto_compression_leaves_a_core_to_the_writer(
+    monkeypatch: pytest.MonkeyPatch, cores: int, encoding: int
+) -> None:
+    from asyncstore.checkpoint import _codec
+
+    monkeypatch.setattr(_codec, "_cores", lambda: cores)
+    monkeypatch.setattr(_codec, "ENCODERS", 4)
+    assert _codec._encoding_cores() == encoding
+
+
 async def test_into_refuses_overlapping_and_meta_targets(tmp_path: Path) -> None:
     path = tmp_path / "two.ckpt"
     await (await asyncstore.save({"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}, path))

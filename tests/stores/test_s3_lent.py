@@ -11,7 +11,7 @@ from typing import Protocol, cast
 import pytest
 
 import asyncstore
-from asyncstore.errors import StoreUnavailable
+from asyncstore.errors import InvalidArgument, StoreUnavailable
 from asyncstore.stores import CheckedUploads, LentWrites, Loan, Writer
 from asyncstore.testing import FaultProxy, SeaweedFS
 
@@ -178,3 +178,12 @@ async def test_a_returned_loan_cannot_be_held_again() -> None:
     with pytest.raises(RuntimeError, match="returned loan"):
         loan.retain()
     assert loan.returns == 1
+
+
+async def test_a_lent_write_needs_a_loan(seaweedfs: SeaweedFS) -> None:
+    async with s3(seaweedfs) as store:
+        async with lending(store.open_writer("a")) as writer:
+            with pytest.raises(InvalidArgument, match="loan=None: pass an asyncstore"):
+                await writer.write_lent(memoryview(b"x" * 100_000), None)  # type: ignore[arg-type]
+            await writer.write(b"ok")
+        assert await store.get("a") == b"ok"
