@@ -134,6 +134,39 @@ def test_auto_keeps_floats_raw_where_the_target_outruns_the_encoders() -> None:
     assert codecs.codec_for(storage_of(tensor), memoryview(raw_bytes(tensor))) == "raw"
 
 
+def test_a_codec_too_slow_for_the_target_is_probed_once_a_save(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first storage's careful probe finds the plane codec slower than the target: the
+    # others of the save stay raw without a probe each (a state has hundreds of them).
+    from asyncstore.checkpoint import _codec
+
+    probes: list[int] = []
+    real = _codec.plane_ratios  # type: ignore[attr-defined]
+
+    def counted(data: memoryview, width: int, level: int) -> list[float]:
+        probes.append(width)
+        return real(data, width, level)
+
+    monkeypatch.setattr(_codec, "plane_ratios", counted)
+    where = f"/nowhere/{unique()}"
+    Codecs("auto", 1, (), where, object_store=False).record_speed(1 << 40, 1.0)
+    codecs = Codecs("auto", 1, (), where, object_store=False)
+    for id in range(5):
+        tensor = weights((MiB // 2,), torch.bfloat16, id)
+        assert codecs.codec_for(storage_of(tensor, id), memoryview(raw_bytes(tensor))) == "raw"
+    assert probes == [2]
+    # A target slow enough: every storage is probed (its planes may differ).
+    Codecs("auto", 1, (), where, object_store=False).record_speed(128 * MiB, 128 * MiB / 20e6)
+    codecs = Codecs("auto", 1, (), where, object_store=False)
+    for id in range(3):
+        tensor = weights((MiB // 2,), torch.bfloat16, id)
+        assert codecs.codec_for(storage_of(tensor, id), memoryview(raw_bytes(tensor))) == (
+            "zstd+planes2"
+        )
+    assert probes == [2, 2, 2, 2]
+
+
 def transformer_like(layers: int = 2, width: int = 256) -> dict[str, Any]:
     state: dict[str, Any] = {"embed.weight": weights((1000, width), torch.bfloat16, 1)}
     for layer in range(layers):
