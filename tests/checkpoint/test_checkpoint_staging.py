@@ -342,10 +342,10 @@ async def test_a_save_cancelled_as_its_snapshot_ends_is_abandoned_and_releases_i
             await cancelled.wait()
         await real_end(self, part, error)
 
-    async def slow_append(self: Any, segment: Any, encoded: Any) -> None:
+    async def slow_append(self: Any, segment: Any, encoded: Any, loan: Any) -> None:
         await cancelled.wait()
         await asyncio.sleep(1)  # the call's cancellation lands meanwhile
-        await real_append(self, segment, encoded)
+        await real_append(self, segment, encoded, loan)
 
     monkeypatch.setattr(_pipeline.SaveJob, "_end", slow_end)
     monkeypatch.setattr(_pipeline._Layout, "append_segment", slow_append)
