@@ -211,6 +211,49 @@ async def test_a_run_of_disk_hits_asks_the_index_once_a_stretch(
         assert queries == ["one"]
 
 
+async def test_keys_found_absent_are_not_asked_again_until_written_or_a_while_passes(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A cold epoch: the prefetcher looks ahead over the same uncached keys at every fill.
+    from asyncstore.cache import _disk, _index
+
+    keys = [f"obj/{i:03d}" for i in range(20)]
+    asked: list[int] = []
+    find_many = _index.find_many
+
+    def many(db: object, names: list[str], *args: object) -> object:
+        asked.append(len(names))
+        return find_many(db, names, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_index, "find_many", many)
+    options: dict[str, object] = {"disk_dir": tmp_path, "disk_bytes": 1 << 22}
+    async with TieredCache(source, memory_bytes=1 << 20, **options) as cache:  # type: ignore[arg-type]
+        assert cache.get_ready(keys) == []
+        assert cache.get_ready(keys, 1) == []
+        assert cache.get_ready(keys, 2) == []
+        assert asked == [20]  # the later calls knew their keys absent
+        # Written by this process: asked again, found.
+        async with TieredCache(source, memory_bytes=1, **options) as other:  # type: ignore[arg-type]
+            await other.warm(keys[5:8])
+            await other.flush()
+        assert cache.get_ready(keys, 5) == []  # another cache's writes: not seen yet
+        assert asked == [20]
+        monkeypatch.setattr(_disk, "_ABSENT_SECONDS", 0.0)  # once a while has passed
+        cache._disk._absent_until = 0.0  # type: ignore[union-attr]
+        assert cache.get_ready(keys, 5) == [bytes([i]) * (10 * KiB) for i in (5, 6, 7)]
+        assert asked[1:] == [15]
+        monkeypatch.setattr(_disk, "_ABSENT_SECONDS", 3600.0)
+        asked.clear()
+        assert cache.get_ready(keys, 8) == []  # keys 8-19: none cached, all noted absent
+        assert asked == [12]
+        await cache.get(keys[9])  # fetched, and written to disk by this cache
+        await cache.flush()
+        cache._memory.clear()
+        assert cache.get_ready(keys, 8) == []  # keys[8] is still not cached
+        assert asked == [12, 1]  # keys[9] is asked for again; the rest are known absent
+        assert cache.get_ready(keys, 9) == [bytes([9]) * (10 * KiB)]
+
+
 async def test_a_damaged_row_in_a_stretch_stops_the_run_there(
     source: CountingStore, tmp_path: Path
 ) -> None:
