@@ -79,10 +79,10 @@ WOULD_BLOCK = WouldBlock()
 """Returned by :meth:`DiskTier.read_cached` when serving the entry would wait for the disk."""
 
 RECLAIM_INTERVAL = 1.0
-# How long expect() takes a key it found without an entry as still without one.
-_ABSENT_SECONDS = 1.0
 """Seconds between two looks, by one writing process, for what killed writers left: bytes
 past a segment's recorded end, and segment files the index does not know."""
+# How long expect() takes a key it found without an entry as still without one.
+_ABSENT_SECONDS = 1.0
 # Index lock waits: other processes hold it only for one batch's transaction.
 _BUSY_TIMEOUT_MS = 60_000
 

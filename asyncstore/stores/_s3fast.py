@@ -84,7 +84,7 @@ class _Slices(aiohttp.payload.Payload):
 
     def __init__(self, data: list[memoryview]) -> None:
         super().__init__(data, content_type="application/octet-stream")
-        self._size = sum(view.nbytes for view in data)
+        self._total = self._size = sum(view.nbytes for view in data)
 
     def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
         return b"".join(self._value).decode(encoding, errors)
@@ -96,8 +96,7 @@ class _Slices(aiohttp.payload.Payload):
         await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
-        total = sum(view.nbytes for view in self._value)
-        left = total if content_length is None else min(content_length, total)
+        left = self._total if content_length is None else min(content_length, self._total)
         for view in self._value:
             view = view[:left]
             for start in range(0, len(view), _SLICE):
