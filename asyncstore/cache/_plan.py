@@ -9,6 +9,14 @@ replacement algorithms for a virtual-storage computer", IBM Systems Journal, 196
 
 The plan may be given in pieces (``extend``), so a plan of ten million keys never needs to
 sit in memory at once; keys beyond what is known count as "not needed again".
+
+Next uses matter only to choose what to evict. Until an eviction needs them, the tier keeps
+the plan as a list and the reads that follow it as a position in that list: a warm epoch
+over a dataset the tier holds costs a list extension per piece of plan and a comparison per
+read, where a map of each key's upcoming uses cost several dictionary operations per key and
+per read (a third of the prefetcher's work per sample). The first read out of the plan's
+order, or the first eviction, builds the map from the rest of the list; the list comes back
+once every planned use has been read.
 """
 
 from __future__ import annotations
@@ -16,8 +24,13 @@ from __future__ import annotations
 import heapq
 from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import islice
+from typing import cast
 
 _NEVER = float("inf")
+
+# Read keys at the head of the lazy plan list dropped once they are this many and half of it.
+_COMPACT = 4096
 
 
 class PlanTier:
@@ -33,7 +46,13 @@ class PlanTier:
         # key -> its upcoming plan positions: one int (the common case, and no deque to
         # allocate per key), or a deque of them, ascending
         self._uses: dict[str, int | deque[int]] = {}
-        self._planned = 0  # positions handed out so far
+        self._planned = 0  # positions handed out so far (while uses are mapped)
+        # Until next uses are needed: the plan as a list, read in order from _cursor on
+        # (every use before it was read in the plan's order); _uses is empty meanwhile.
+        self._lazy = True
+        self._log: list[str] = []
+        self._cursor = 0
+        self._base = 0  # plan position of _log[0]
         # Max-heap of (-next use, tiebreak, key) over unpinned entries; stale items (whose
         # next use changed or whose key left) are skipped when popped. None until an
         # eviction needs it: while everything fits (a dataset the tier holds), a hit only
@@ -56,6 +75,16 @@ class PlanTier:
 
     def extend(self, keys: Iterable[str]) -> None:
         """Append ``keys`` to the plan of upcoming reads."""
+        if not self._lazy and not self._uses:
+            self._unmap()  # every planned use was read: back to the list
+        if self._lazy:
+            log, cursor = self._log, self._cursor
+            if cursor >= _COMPACT and cursor * 2 >= len(log):
+                del log[:cursor]  # what was read, dropped now and then (amortised O(1))
+                self._base += cursor
+                self._cursor = 0
+            log.extend(keys)
+            return
         values, pins, known, next_use = self._values, self._pins, self._uses, self._next
         for key in keys:
             uses = known.get(key)
@@ -73,6 +102,43 @@ class PlanTier:
                     next_use[key] = first  # no eviction order to keep: just note it
                 else:
                     self._schedule(key)
+
+    def _map(self) -> None:
+        # Next uses are needed (an eviction, a read out of the plan's order): map each key
+        # to its upcoming uses from the unread part of the list, and each entry to its next.
+        uses: dict[str, int | deque[int]] = {}
+        position = self._base + self._cursor
+        for key in islice(self._log, self._cursor, None):
+            known = uses.get(key)
+            if known is None:
+                uses[key] = position
+            elif isinstance(known, int):
+                uses[key] = deque((known, position))
+            else:
+                known.append(position)
+            position += 1
+        self._uses, self._planned = uses, position
+        self._lazy, self._log, self._cursor = False, [], 0
+        pins = self._pins
+        self._next = {key: self._next_use(key) for key in self._values if key not in pins}
+        self._heap = None  # built from _next when an eviction needs it
+
+    def _unmap(self) -> None:
+        # No planned use is left to read: keep the plan as a list again.
+        self._lazy, self._log, self._cursor, self._base = True, [], 0, self._planned
+        self._next.clear()
+        self._heap = None
+
+    def _follows(self, key: str) -> bool:
+        # While lazy: does this read follow the plan (the next unread key, or nothing is
+        # planned ahead)? Moves past it if so; False means the uses must be mapped.
+        cursor = self._cursor
+        if cursor == len(self._log):
+            return True  # nothing planned ahead: a read consumes no use
+        if self._log[cursor] == key:
+            self._cursor = cursor + 1
+            return True
+        return False
 
     def _next_use(self, key: str) -> float:
         uses = self._uses.get(key)
@@ -93,6 +159,8 @@ class PlanTier:
         return left
 
     def _schedule(self, key: str) -> None:
+        if self._lazy:
+            return  # no next uses are kept: _map computes them
         when = self._next_use(key)
         if self._next.get(key) == when and key in self._values:
             return  # its heap item is still current
@@ -133,6 +201,10 @@ class PlanTier:
     def get(self, key: str) -> bytes | None:
         """The value, or ``None``; a hit consumes the key's nearest planned use."""
         value = self._values.get(key)
+        if self._lazy:
+            if self._follows(key):
+                return value
+            self._map()
         then = self._consume(key)  # this read is the key's nearest planned use
         if value is not None and key not in self._pins:
             if self._heap is None:
@@ -146,6 +218,12 @@ class PlanTier:
         key's nearest planned use as :meth:`get` does: one call for a run of hits. The
         absent key's use is left for the read that fetches it. An unhashable key (no key at
         all) ends the run too."""
+        if self._lazy:
+            run = self._lazy_run(keys, start, stop)
+            start += len(run)
+            if self._lazy or start >= stop:
+                return run
+            return run + self.get_run(keys, start, stop)  # mapped at a read out of order
         values, planned, pins, next_use = self._values, self._uses, self._pins, self._next
         out: list[bytes] = []
         try:
@@ -169,6 +247,35 @@ class PlanTier:
             pass
         return out
 
+    def _lazy_run(self, keys: Sequence[str], start: int, stop: int) -> list[bytes]:
+        # get_run while lazy, in C loops: the values up to the first absent, and one list
+        # comparison to tell that they follow the plan. Maps the uses at a read out of order,
+        # leaving that read (and those after it) to the caller.
+        got: list[bytes | None]
+        try:
+            got = list(map(self._values.get, keys[start:stop]))
+        except TypeError:  # an unhashable key: the run ends before it
+            got = []
+            for key in keys[start:stop]:
+                try:
+                    got.append(self._values.get(key))
+                except TypeError:
+                    break
+        if None in got:
+            del got[got.index(None) :]
+        run = cast("list[bytes]", got)
+        log, cursor = self._log, self._cursor
+        follow = min(len(run), len(log) - cursor)
+        if follow and log[cursor : cursor + follow] != keys[start : start + follow]:
+            # Out of order somewhere: take the reads that follow the plan one by one.
+            for count, key in enumerate(keys[start : start + len(run)]):
+                if not self._follows(key):
+                    self._map()
+                    return run[:count]
+            return run
+        self._cursor = cursor + follow
+        return run
+
     def put(self, key: str, value: bytes) -> bool:
         """Insert ``key`` unless it would be the first entry to be evicted; False if not."""
         size = len(value)
@@ -177,6 +284,14 @@ class PlanTier:
         if self.pinned_used + size > self.budget:
             self.bypassed += 1
             return False
+        if self._lazy:
+            if self.used + size <= self.budget:  # no eviction: no next use is needed
+                self._values[key] = value
+                self.used += size
+                if pinned:
+                    self.pinned_used += size
+                return True
+            self._map()
         mine = self._next_use(key)
         victims: list[str] = []
         free = self.budget - self.used

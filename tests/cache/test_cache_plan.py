@@ -112,6 +112,128 @@ def test_plan_given_in_pieces(keys: list[str], piece: int) -> None:
     assert hits <= belady_hits(keys, 3)
 
 
+def read_runs(tier: PlanTier, keys: list[str], runs: list[int]) -> int:
+    # As the prefetcher reads: runs of hits with get_run, each miss with get() and put().
+    hits = position = turn = 0
+    while position < len(keys):
+        stop = min(len(keys), position + runs[turn % len(runs)])
+        turn += 1
+        got = tier.get_run(keys, position, stop)
+        assert got == [b"x" * 10] * len(got)
+        hits += len(got)
+        position += len(got)
+        if position < stop:
+            assert tier.get(keys[position]) is None
+            tier.put(keys[position], b"x" * 10)
+            position += 1
+        assert tier.used <= tier.budget
+    return hits
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    epochs=st.lists(st.lists(st.sampled_from("abcdefgh"), max_size=30), min_size=1, max_size=5),
+    capacity=st.integers(1, 6),
+    runs=st.lists(st.integers(1, 9), min_size=1, max_size=6),
+)
+def test_every_epoch_is_optimal_from_the_state_the_last_one_left(
+    epochs: list[list[str]], capacity: int, runs: list[int]
+) -> None:
+    # Epoch after epoch, each planned whole before it is read: the tier keeps the plan as a
+    # list until an eviction needs next uses, maps them, and goes back to the list once every
+    # planned use was read. Each epoch must still get the optimum from where it starts: the
+    # resident keys first (they fit, so they cost misses only), then the epoch.
+    tier = PlanTier(capacity * 10)
+    for keys in epochs:
+        resident = tier.keys()
+        tier.extend(keys)
+        hits = read_runs(tier, keys, runs)
+        assert hits == belady_hits(resident + keys, capacity)
+
+
+def eager(tier: PlanTier) -> PlanTier:
+    # The same tier, made to map every use from the start and never keep the plan as a list.
+    assert tier._lazy
+    tier._map()
+    tier._unmap = lambda: None  # type: ignore[method-assign]
+    return tier
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8)),
+            st.tuples(st.just("next"), st.integers(1, 6)),  # read the next planned keys
+            st.tuples(st.just("get"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5)),
+            st.tuples(st.just("put"), st.sampled_from("abcdefg")),
+        ),
+        max_size=40,
+    )
+)
+def test_a_plan_kept_as_a_list_consumes_the_uses_a_mapped_one_does(
+    ops: list[tuple[str, object]],
+) -> None:
+    # With room for everything (no eviction decides anything), both must agree read for
+    # read and leave the same upcoming uses, whatever the order of reads and plan pieces.
+    lazy, mapped = PlanTier(1000), eager(PlanTier(1000))
+    planned: list[str] = []  # the reads a prefetcher would make, in the plan's order
+    for op, arg in ops:
+        if op == "plan":
+            assert isinstance(arg, list)
+            lazy.extend(arg)
+            mapped.extend(arg)
+            planned += arg
+        elif op == "next":
+            assert isinstance(arg, int)
+            keys, planned = planned[:arg], planned[arg:]
+            assert lazy.get_run(keys, 0, len(keys)) == mapped.get_run(keys, 0, len(keys))
+        elif op == "get":
+            assert lazy.get(str(arg)) == mapped.get(str(arg))
+        elif op == "run":
+            assert isinstance(arg, list)
+            assert lazy.get_run(arg, 0, len(arg)) == mapped.get_run(arg, 0, len(arg))
+        else:
+            assert lazy.put(str(arg), b"v" + str(arg).encode())
+            assert mapped.put(str(arg), b"v" + str(arg).encode())
+    if lazy._lazy:
+        lazy._map()
+
+    def upcoming(tier: PlanTier) -> dict[str, list[int]]:
+        return {
+            key: [uses] if isinstance(uses, int) else list(uses) for key, uses in tier._uses.items()
+        }
+
+    assert upcoming(lazy) == upcoming(mapped)
+    assert sorted(lazy.keys()) == sorted(mapped.keys())
+
+
+def test_a_warm_epoch_keeps_the_plan_as_a_list() -> None:
+    # The cheap path is the one taken: a dataset the tier holds, read in the plan's order,
+    # maps no uses (an epoch that evicts maps them, and the next extend drops them).
+    tier = PlanTier(1000)
+    keys = [f"k{i}" for i in range(50)]
+    tier.extend(keys)
+    for key in keys:
+        assert tier.get(key) is None
+        assert tier.put(key, b"x" * 10)
+    for _ in range(3):
+        tier.extend(keys)
+        assert len(tier.get_run(keys, 0, 50)) == 50
+        assert tier._lazy
+        assert not tier._uses
+    tier.extend(keys)
+    assert tier.get(keys[1]) is not None  # out of the plan's order: the uses are mapped
+    assert not tier._lazy
+    assert len(tier._uses) == 49
+    assert tier.get_run(keys, 0, 1) == [b"x" * 10]
+    assert len(tier.get_run(keys, 2, 50)) == 48
+    assert not tier._uses
+    tier.extend(keys)  # every use read: a list again
+    assert tier._lazy
+
+
 def test_shuffled_epochs_beat_lru() -> None:
     # A dataset twice the cache, three freshly shuffled epochs: LRU thrashes, the plan does not.
     rng = random.Random(0)
