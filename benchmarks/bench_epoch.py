@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from _report import machine, record
 from bench_dataset import BATCH, InMemory, PlainFiles, as_tensor, epoch, loader_for
 from torch.utils.data import DataLoader
 
-from asyncstore.torch import StreamingDataset
+from asyncstore.torch import StreamingDataset, _order
 
 Say = Callable[..., None]  # say(line="")
 
@@ -41,21 +42,50 @@ Say = Callable[..., None]  # say(line="")
 # -- planning ----------------------------------------------------------------------------------
 
 
+def torch_permute(order: _order.EpochOrder, positions: torch.Tensor) -> torch.Tensor:
+    """The order's arithmetic in torch, on its intra-op pool: how plans were computed before
+    (the baseline). The same values as ``order.permute``."""
+    low_bits, low_mask, high_mask = order._low_bits, order._low_mask, order._high_mask
+
+    def feistel(values: torch.Tensor) -> torch.Tensor:
+        high, low = values >> low_bits, values & low_mask
+        for step, key in enumerate(order._keys):
+            source, mask, target = (
+                (low, high_mask, high) if step % 2 == 0 else (high, low_mask, low)
+            )
+            mixed = (source ^ (key & _order._LOW31)) * _order._MUL1
+            mixed ^= mixed >> 31
+            mixed = (mixed & _order._LOW31) * _order._MUL2
+            mixed ^= mixed >> 29
+            mixed ^= key >> 33
+            target ^= mixed & mask
+        return (high << low_bits) | low
+
+    out = feistel(positions)
+    waiting = (out >= order.count).nonzero().flatten()
+    values = out[waiting]
+    while len(waiting):
+        values = feistel(values)
+        inside = values < order.count
+        out[waiting[inside]] = values[inside]
+        waiting, values = waiting[~inside], values[~inside]
+    return out
+
+
 def plan_child(mode: str, count: int) -> tuple[float, float]:
     """Wall and CPU seconds (all threads) to plan an epoch of ``count`` keys in this (fresh)
-    process: ``mode`` "thread" as the dataset plans it, "pool" on torch's intra-op pool."""
-    import contextlib
-
-    import torch
-
-    from asyncstore.torch import _order
-
-    if mode == "pool":
-        _order.one_thread = contextlib.nullcontext  # type: ignore[assignment]
+    process: ``mode`` "thread" as the dataset plans it, "pool" in torch on its intra-op pool
+    (the baseline), both in slices of ``SLICE`` positions, as Python ints."""
     threads = torch.get_num_threads()
     started, cpu = time.perf_counter(), time.process_time()
     order = _order.EpochOrder(count, seed=0, epoch=0, shuffle=True, rank=0, world=1)
-    planned = sum(len(part) for part in order.slices())
+    planned = 0
+    if mode == "pool":
+        for first in range(0, count, _order.SLICE):
+            local = torch.arange(first, min(first + _order.SLICE, count))
+            planned += len(torch_permute(order, local).tolist())
+    else:
+        planned = sum(len(part.tolist()) for part in order.slices())
     took, used = time.perf_counter() - started, time.process_time() - cpu
     assert planned == count
     assert torch.get_num_threads() == threads  # the pool keeps its size

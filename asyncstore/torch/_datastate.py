@@ -28,10 +28,10 @@ import operator
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
-import torch
+import numpy as np
 
 from ..errors import InvalidArgument
-from ._order import SLICE, EpochOrder, _local_positions, one_thread
+from ._order import SLICE, EpochOrder, Indices, local_positions
 from ._shard import check_resume, per_rank, worker_batches
 
 __all__ = [
@@ -110,9 +110,9 @@ def stream_length(count: int, start: int, world: int) -> int:
 
 def stream_slices(
     order: EpochOrder, start: int, skip: int, batch: int, worker: int, workers: int
-) -> Iterator[list[int]]:
+) -> Iterator[Indices]:
     """Dataset indices of one worker's part of this rank's stream from global ``start``,
-    local ``skip`` on, in lists of about :data:`SLICE` (as :meth:`EpochOrder.slices`)."""
+    local ``skip`` on, in arrays of about :data:`SLICE` (as :meth:`EpochOrder.slices`)."""
     if start == 0:
         yield from order.slices(skip, batch, worker, workers)
         return
@@ -121,11 +121,8 @@ def stream_slices(
         length, skip=skip, batch=batch, worker=worker, workers=workers, size=SLICE
     )
     for group in groups:
-        with one_thread():  # left before the yield, as in EpochOrder.slices
-            local = torch.cat([_local_positions(batches) for batches in group])
-            positions = (local * order.world + (order.rank + start)) % order.count
-            indices = order.permute(positions).tolist()
-        yield indices
+        local = np.concatenate([local_positions(batches) for batches in group])
+        yield order.permute((local * order.world + (order.rank + start)) % order.count)
 
 
 def stream_positions(count: int, start: int, rank: int, world: int) -> list[int]:

@@ -36,6 +36,8 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequenc
 from typing import Any, overload
 
 import anyio
+import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .._concurrency import shield
@@ -91,6 +93,9 @@ class KeyIndex(Sequence[str]):
         self._buffer = buffer
         self._offsets = whole[_HEADER.size : offsets_end].cast("Q")
         self._blob = whole[offsets_end:]
+        # Where each key starts in the buffer (count + 1 of them, the last its end): keys
+        # are sliced from the buffer itself, which gives bytes, without a memoryview each.
+        self._starts = np.frombuffer(self._offsets, dtype=np.int64) + offsets_end
         self._count: int = count
         self._path = path
         self._digest = (offsets_sum, blob_sum)
@@ -143,12 +148,15 @@ class KeyIndex(Sequence[str]):
             raise IndexError(f"key index {index} out of range({self._count})")
         return self.take((position,))[0]
 
-    def take(self, indices: Iterable[int]) -> list[str]:
+    def take(self, indices: Iterable[int] | npt.NDArray[np.int64]) -> list[str]:
         """The keys at ``indices`` (each in ``range(len(self))``), in that order."""
-        offsets: Sequence[int] = self._offsets  # unsigned 64-bit items: cast("Q")
-        blob = self._blob
+        if not isinstance(indices, np.ndarray):
+            indices = np.fromiter(indices, dtype=np.int64)
+        # Both ends of every key in two array lookups, then one slice and decode per key.
+        starts, ends = self._starts[indices].tolist(), self._starts[indices + 1].tolist()
+        buffer = self._buffer
         try:
-            return [str(blob[offsets[i] : offsets[i + 1]], "utf-8") for i in indices]
+            return [buffer[start:end].decode() for start, end in zip(starts, ends, strict=True)]
         except UnicodeDecodeError:
             # Only a file made to pass its checksums gets here.
             raise IntegrityError(

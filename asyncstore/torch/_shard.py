@@ -30,7 +30,7 @@ __all__ = ["Batches", "Integers", "check_resume", "global_position", "per_rank",
 
 
 class Integers(Protocol):
-    """An int, or an array of ints (a torch tensor): the arithmetic works elementwise."""
+    """An int, or an array of ints (a numpy array): the arithmetic works elementwise."""
 
     def __add__(self, other: int, /) -> Self: ...
     def __mul__(self, other: int, /) -> Self: ...

@@ -1,5 +1,5 @@
 """The epoch plan runs on the calling thread: it neither uses torch's intra-op pool nor
-leaves it at another size, and it is the same order as before."""
+leaves it at another size, and it is the same order as before (when torch computed it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import array
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ import xxhash
 
 from asyncstore.torch import StreamingDataset
 from asyncstore.torch._datastate import stream_slices
-from asyncstore.torch._order import EpochOrder, one_thread
+from asyncstore.torch._order import EpochOrder
 
 
 def test_the_order_of_an_epoch_is_the_one_states_were_saved_with() -> None:
@@ -65,11 +64,6 @@ def test_planning_gives_the_pool_back_at_its_size(tmp_path: Path) -> None:
         assert len(first) > 0
         assert len(list(stream_slices(order, 5, 0, 1, 0, 1))) > 0
         assert torch.get_num_threads() == 3
-        with one_thread():
-            assert torch.get_num_threads() == 1
-            torch.set_num_threads(2)  # set by someone else meanwhile: theirs is kept
-        assert torch.get_num_threads() == 2
-        torch.set_num_threads(3)
         # The dataset plans on its background thread and here: neither changes this
         # thread's pool.
         for i in range(50):
@@ -80,30 +74,5 @@ def test_planning_gives_the_pool_back_at_its_size(tmp_path: Path) -> None:
         assert len(ds.plan()) == 50
         assert torch.get_num_threads() == 3
         ds.close()
-    finally:
-        torch.set_num_threads(default)
-
-
-def test_one_thread_is_per_thread_where_torch_uses_openmp() -> None:
-    # Another thread planning does not shrink this thread's pool while it runs (a native
-    # pool is one for the process: there only the restore applies).
-    openmp = "OpenMP" in torch.__config__.parallel_info()
-    default = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        inside, seen = threading.Event(), threading.Event()
-
-        def plan() -> None:
-            with one_thread():
-                inside.set()
-                seen.wait(10)
-
-        thread = threading.Thread(target=plan)
-        thread.start()
-        assert inside.wait(10)
-        assert torch.get_num_threads() == (2 if openmp else 1)
-        seen.set()
-        thread.join()
-        assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(default)

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from unittest import mock
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,7 +71,7 @@ class Split:
 
     def epoch_order(self) -> list[int]:
         """The epoch's whole order: the dataset index at each global position."""
-        return self.order(0).permute(torch.arange(self.count)).tolist()
+        return [int(i) for i in self.order(0).permute(range(self.count))]
 
 
 @st.composite
