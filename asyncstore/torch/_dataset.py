@@ -61,6 +61,9 @@ logger = logging.getLogger("asyncstore.torch")
 # worth amortising over several ready items.
 _BATCH = 64
 
+# Keys decoded from the key index at a time, as the prefetcher reads the plan.
+_DECODE = 512
+
 # Batches staged ahead on the loop (see _Session), and the bytes that stops staging early:
 # the consumer wakes the loop once for several batches rather than for each.
 _STAGED = 4
@@ -417,8 +420,12 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         slices = stream_slices(
             self._order(epoch), here.start, here.skip, self._batch, worker, workers
         )
+        take = self._keys.take
         for part in slices:
-            yield from self._keys.take(part)
+            # Decoded a few hundred keys at a time: the first batch waits for its own keys,
+            # not for a whole slice's (up to 2**18 of them).
+            for start in range(0, len(part), _DECODE):
+                yield from take(part[start : start + _DECODE])
 
     def __iter__(self) -> Iterator[T]:
         # Runs at the first next(): the caller is then the DataLoader's fetcher, if any.

@@ -296,6 +296,46 @@ async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:
     assert plan_hits <= belady_hits(plan, 40)
 
 
+async def test_a_plan_aware_cache_is_told_the_plan_ahead_in_short_reads() -> None:
+    # The cache hears PLAN_AHEAD keys ahead of what was taken all along (not from
+    # PLAN_AHEAD down to none between reads), in reads of a few hundred keys: the first
+    # items wait for one or two of them, never for PLAN_AHEAD keys.
+    from asyncstore.cache import _prefetch
+
+    store = MemoryStore(unique("told"))
+    count = 3 * _prefetch.PLAN_AHEAD
+    for i in range(count):
+        await store.put(f"k{i:05d}", b"v")
+    told: list[int] = []  # keys planned so far, after each plan() call
+
+    class Listening(TieredCache):
+        def plan(self, keys: list[str]) -> None:  # type: ignore[override]
+            told.append((told[-1] if told else 0) + len(keys))
+            super().plan(keys)
+
+    try:
+        async with Listening(store, memory_bytes=1 << 20, policy="plan") as cache:
+            cache.plan([f"k{i:05d}" for i in range(count)])  # warm: every read is a hit
+            async with Prefetcher(cache, [f"k{i:05d}" for i in range(count)]) as prefetcher:
+                while await prefetcher.take(64, least=64):
+                    pass
+            async with Prefetcher(cache, [f"k{i:05d}" for i in range(count)]) as prefetcher:
+                told.clear()
+                taken = len(await prefetcher.take(64, least=64))
+                assert told[-1] <= 2 * _prefetch._PLAN_READ  # the first items waited for that
+                while got := await prefetcher.take(64, least=64):
+                    taken += len(got)
+                    ahead = told[-1] - taken
+                    if taken >= _prefetch.PLAN_AHEAD // 2:  # the first reads have caught up
+                        least = _prefetch.PLAN_AHEAD - _prefetch._PLAN_READ
+                        assert ahead >= min(least, count - taken)
+                    assert ahead <= _prefetch.PLAN_AHEAD + _prefetch._PLAN_READ
+            assert taken == count
+            assert max(b - a for a, b in itertools.pairwise([0, *told])) <= _prefetch._PLAN_READ
+    finally:
+        drop_memory_store(store.url.removeprefix("memory://"))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import pickle
 import signal
@@ -325,6 +326,26 @@ def test_a_million_keys_shard_exactly_once_and_resume_through_the_index(
     assert set(counts) == set(keys)
     assert sum(counts.values()) - MILLION == world * -(-MILLION // world) - MILLION  # padding
     assert max(counts.values()) <= 2
+
+
+def test_the_first_key_of_an_epoch_decodes_a_few_hundred_keys_not_a_slice(
+    million: tuple[Path, Path, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source, cache, _ = million
+    ds: StreamingDataset[bytes] = StreamingDataset(source, cache_dir=cache, shuffle=True)
+    decoded: list[int] = []
+    take = KeyIndex.take
+
+    def counted(self: KeyIndex, indices: object) -> list[str]:
+        keys = take(self, indices)  # type: ignore[arg-type]
+        decoded.append(len(keys))
+        return keys
+
+    monkeypatch.setattr(KeyIndex, "take", counted)
+    stream = ds._worker_keys(0)
+    first = next(stream)
+    assert decoded == [dataset_module._DECODE]  # a slice holds 262,144 keys
+    assert [first, *itertools.islice(stream, 9999)] == ds.plan()[:10000]
 
 
 def test_a_dataset_over_a_listed_store_reads_what_its_index_names(tmp_path: Path) -> None:
