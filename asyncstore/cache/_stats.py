@@ -72,26 +72,32 @@ class LatencyWindow:
 
     def __init__(self, size: int = 4096) -> None:
         self._samples: deque[float] = deque(maxlen=size)
+        # The last percentiles, until a sample comes: a cache's stats() is taken at the
+        # start and end of every epoch, and a warm epoch adds no store latency to sort.
+        self._known: tuple[float, float, float] | None = (0.0, 0.0, 0.0)
 
     def add(self, seconds: float) -> None:
         """Record one sample."""
         self._samples.append(seconds)
+        self._known = None
 
     def add_zeros(self, count: int) -> None:
         """Record ``count`` samples of no wait at all."""
-        self._samples.extend(repeat(0.0, min(count, self._samples.maxlen or count)))
+        if count > 0:
+            self._samples.extend(repeat(0.0, min(count, self._samples.maxlen or count)))
+            self._known = None
 
     def percentiles(self) -> tuple[float, float, float]:
         """p50, p95 and p99 of the window (zeros when empty)."""
-        if not self._samples:
-            return 0.0, 0.0, 0.0
-        ordered = sorted(self._samples)
-        last = len(ordered) - 1
+        if self._known is None:
+            ordered = sorted(self._samples)
+            last = len(ordered) - 1
 
-        def at(q: float) -> float:
-            return ordered[min(last, round(q * last))]
+            def at(q: float) -> float:
+                return ordered[min(last, round(q * last))]
 
-        return at(0.50), at(0.95), at(0.99)
+            self._known = (at(0.50), at(0.95), at(0.99))
+        return self._known
 
 
 def snapshot(
