@@ -6,6 +6,8 @@ import asyncio
 import io
 import os
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -366,6 +368,34 @@ def test_seaweedfs_stop_kills_server_and_cleans_up() -> None:
             os.kill(pid, 0)
         assert [path for path in sockets if path.exists()] == []
         assert not data_dir.exists()
+
+
+def test_a_server_stops_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    # A test run killed hard runs no atexit hook: the kernel stops its servers instead.
+    code = (
+        "import os, sys\n"
+        "from asyncstore.testing import SeaweedFS\n"
+        f"server = SeaweedFS(data_dir={str(tmp_path / 'data')!r})\n"
+        "server.start()\n"
+        "print(server.pid, flush=True)\n"
+        "os._exit(1)\n"  # no atexit, no stop()
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    ).stdout
+    pid = int(out.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # exited, waiting to be reaped by init
+        except FileNotFoundError:
+            break  # exited and reaped
+        time.sleep(0.2)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"SeaweedFS pid {pid} outlived the process that started it")
 
 
 def test_seaweedfs_missing_binary_is_reported(

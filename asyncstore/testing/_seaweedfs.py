@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -274,7 +275,7 @@ class SeaweedFS:
         ]  # fmt: skip
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                args,
+                _dies_with_this_process() + args,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -472,3 +473,20 @@ class SeaweedFS:
                 return uploads
             kwargs["KeyMarker"] = page.get("NextKeyMarker", "")
             kwargs["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+
+def _dies_with_this_process() -> list[str]:
+    """A prefix for the server's command line that has the kernel stop it when this process
+    dies, however it dies: a test run killed hard (``os._exit``, SIGKILL) runs no atexit
+    hook, and left its servers running until the machine stopped.
+
+    ``setpriv --pdeathsig`` (util-linux) sets the signal and execs the server: SIGKILL, as
+    an orphaned server was seen to outlive a SIGTERM by minutes. The kernel
+    sends it when the *thread* that started the child ends, so only a start from the main
+    thread gets it (its end is the process's); elsewhere, or without setpriv, nothing is
+    added and atexit alone stops the server.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or threading.current_thread() is not threading.main_thread():
+        return []
+    return [setpriv, "--pdeathsig", "KILL"]
