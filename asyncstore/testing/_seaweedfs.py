@@ -481,10 +481,10 @@ def _dies_with_this_process() -> list[str]:
     hook, and left its servers running until the machine stopped.
 
     ``setpriv --pdeathsig`` (util-linux) sets the signal and execs the server: SIGKILL, as
-    an orphaned server was seen to outlive a SIGTERM by minutes. The kernel
-    sends it when the *thread* that started the child ends, so only a start from the main
-    thread gets it (its end is the process's); elsewhere, or without setpriv, nothing is
-    added and atexit alone stops the server.
+    an orphaned server was seen to outlive a SIGTERM by minutes. The kernel sends it when
+    the *thread* that started the child ends, so only a start from the main thread gets it
+    (its end is the process's); elsewhere, or without setpriv, nothing is added and atexit
+    alone stops the server.
     """
     setpriv = shutil.which("setpriv")
     if setpriv is None or threading.current_thread() is not threading.main_thread():

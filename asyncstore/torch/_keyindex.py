@@ -93,9 +93,10 @@ class KeyIndex(Sequence[str]):
         self._buffer = buffer
         self._offsets = whole[_HEADER.size : offsets_end].cast("Q")
         self._blob = whole[offsets_end:]
-        # Where each key starts in the buffer (count + 1 of them, the last its end): keys
-        # are sliced from the buffer itself, which gives bytes, without a memoryview each.
-        self._starts = np.frombuffer(self._offsets, dtype=np.int64) + offsets_end
+        # The offsets as an array: a view of the mapping, shared with every process that
+        # maps the file (ten million keys would be 80 MB private to each if copied).
+        self._bounds = np.frombuffer(self._offsets, dtype=np.int64)
+        self._blob_at = offsets_end  # where the keys' bytes start in the buffer
         self._count: int = count
         self._path = path
         self._digest = (offsets_sum, blob_sum)
@@ -152,8 +153,10 @@ class KeyIndex(Sequence[str]):
         """The keys at ``indices`` (each in ``range(len(self))``), in that order."""
         if not isinstance(indices, np.ndarray):
             indices = np.fromiter(indices, dtype=np.int64)
-        # Both ends of every key in two array lookups, then one slice and decode per key.
-        starts, ends = self._starts[indices].tolist(), self._starts[indices + 1].tolist()
+        # Both ends of every key in two array lookups, then one slice of the buffer itself
+        # (bytes, without a memoryview each) and one decode per key.
+        bounds, at = self._bounds, self._blob_at
+        starts, ends = (bounds[indices] + at).tolist(), (bounds[indices + 1] + at).tolist()
         buffer = self._buffer
         try:
             return [buffer[start:end].decode() for start, end in zip(starts, ends, strict=True)]

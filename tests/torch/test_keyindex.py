@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -44,6 +45,9 @@ def test_keys_read_back_in_order_from_memory_and_from_a_file(tmp_path: Path) -> 
         with pytest.raises(IndexError):
             index[len(KEYS)]
         assert list(pickle.loads(pickle.dumps(index))) == KEYS
+        assert index.take(np.array([3, 1], dtype=np.int64)) == [KEYS[3], KEYS[1]]
+        # The offsets are read where they lie (the mapping), never copied per process.
+        assert not index._bounds.flags.owndata
 
 
 def test_a_mapped_index_pickles_by_path_and_refuses_a_rebuilt_file(tmp_path: Path) -> None:
