@@ -7,11 +7,13 @@ import contextlib
 import json
 import logging
 import multiprocessing
+import operator
 import os
 import sys
 import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence, Sized
+from itertools import starmap
 from operator import itemgetter
 from pathlib import Path
 from types import FrameType
@@ -60,6 +62,8 @@ logger = logging.getLogger("asyncstore.torch")
 # Items handed over per trip to the background loop: each trip costs a thread hop, which is
 # worth amortising over several ready items.
 _BATCH = 64
+
+_second = itemgetter(1)  # a sample's bytes, from its (key, bytes)
 
 # Keys decoded from the key index at a time, as the prefetcher reads the plan.
 _DECODE = 512
@@ -113,6 +117,9 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     lengths (``ceil(N / world_size)``): the last shard is padded by repeating samples from
     the start of the epoch's order, as DDP needs every rank to step the same number of times.
     """
+
+    # The batch this process's iteration is handing out: its size and iterator.
+    _handing: tuple[int, Iterator[tuple[str, bytes]]] | None
 
     def __init__(
         self,
@@ -203,7 +210,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._position = multiprocessing.RawArray("q", list(Position(0)))
         self._figures = EpochFigures()
         self._figures.begin(0)
-        self._yielded = 0
+        self._count_yielded()
         self._last: DatasetStats | None = None
         self._conn: _Connection | None = None
         # Compact, and mapped from cache_dir when listed: one copy per node, not per process.
@@ -382,7 +389,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         """
         position = read_state(state, self._facts())
         self._position[:] = list(position)
-        self._yielded = 0
+        self._count_yielded()
         self._figures.begin(position.epoch)
 
     def _facts(self) -> Facts:
@@ -432,7 +439,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         self._check_loader_batch(sys._getframe(1))
         epoch = self._epoch
         keys = self._worker_keys(epoch)
-        self._yielded = 0
+        self._count_yielded()
         conn = self._connection()
         session = run_sync(conn.start(keys, self._lookahead, self._max_inflight))
         published = self._worker_figures.iteration(conn.store, conn.cache, session.prefetcher)
@@ -441,20 +448,44 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
             # (or a full trip) rather than make several trips for a few items each, which
             # in a cold epoch cost more CPU than the samples' own handling.
             least = min(self._batch, _BATCH)
+            decode = self._decode
             while True:
                 items = session.next_batch(_BATCH, least)
                 published.tick()
                 if not items:
                     break
-                for key, data in items:
-                    self._yielded += 1
-                    yield self._decode(key, data) if self._decode else data  # type: ignore[misc]
+                # Handed out by starmap or map, in C: no bytecode per sample here (the
+                # loop it replaced cost the consumer's thread about 0.15 us a sample). What
+                # was yielded so far is read from the batch's iterator when asked.
+                pairs = iter(items)
+                self._handing = (len(items), pairs)
+                if decode is None:
+                    yield from map(_second, pairs)
+                else:
+                    yield from starmap(decode, pairs)
+                self._yielded_before += len(items)
+                self._handing = None
         finally:
             self._last = stats = run_sync(session.close())
             info = get_worker_info()
             worker = None if info is None else info.id
             self._figures.add(epoch, worker, figures(stats, session.before))
             published.end(stats)
+
+    def _count_yielded(self) -> None:
+        # Count the samples this process's iteration hands out from zero.
+        self._yielded_before = 0  # in the batches handed out whole
+        self._handing = None
+
+    @property
+    def _yielded(self) -> int:
+        # Samples handed out by this process's iteration so far: those of whole batches,
+        # and what the iterator over the batch being handed out has given (an item taken
+        # from it is yielded before the consumer can ask).
+        if self._handing is None:
+            return self._yielded_before
+        size, pairs = self._handing
+        return self._yielded_before + size - operator.length_hint(pairs)
 
     def _check_loader_batch(self, caller: FrameType | None) -> None:
         # Workers take whole batches of the dataset's batch_size in turn, while the
@@ -509,6 +540,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_conn"] = None  # never pickle a live client into a worker
+        state["_yielded_before"], state["_handing"] = self._yielded, None
         if self._rank is None and dist.is_available() and dist.is_initialized():
             # A spawned DataLoader worker (spawn, forkserver) starts without this process's
             # group: it would read the whole dataset as rank 0 of 1. The copy keeps the
