@@ -156,7 +156,15 @@ class KeyIndex(Sequence[str]):
         # Both ends of every key in two array lookups, then one slice of the buffer itself
         # (bytes, without a memoryview each) and one decode per key.
         bounds, at = self._bounds, self._blob_at
-        starts, ends = (bounds[indices] + at).tolist(), (bounds[indices + 1] + at).tolist()
+        first, last = bounds[indices], bounds[indices + 1]
+        # Only the first and last offsets are checked at open: a file made to pass its
+        # checksums could hold one out of order, or past 2**63 (negative here), which
+        # would slice other parts of the file. Checked for these keys, in a few passes.
+        if len(first) and not ((first >= 0) & (first <= last) & (last <= len(self._blob))).all():
+            raise IntegrityError(
+                f"key index {self._path or '(memory)'} is damaged (offsets out of order)"
+            )
+        starts, ends = (first + at).tolist(), (last + at).tolist()
         buffer = self._buffer
         try:
             return [buffer[start:end].decode() for start, end in zip(starts, ends, strict=True)]

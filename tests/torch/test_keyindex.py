@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 import os
 import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -17,12 +19,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import asyncstore
 from asyncstore import IntegrityError
-from asyncstore.torch import StreamingDataset
+from asyncstore.torch import StreamingDataset, _keyindex
 from asyncstore.torch import _dataset as dataset_module
 from asyncstore.torch._keyindex import KeyIndex, build_index, write_index
 from asyncstore.torch._order import EpochOrder
@@ -84,6 +87,33 @@ def test_a_damaged_index_is_refused(tmp_path: Path, where: str) -> None:
     path.write_bytes(raw)
     with pytest.raises(IntegrityError):
         KeyIndex.open(path)
+
+
+@pytest.mark.parametrize("crafted", ["not utf-8", "out of order", "past 2**63"])
+def test_an_index_made_to_pass_its_checksums_still_names_no_wrong_key(
+    tmp_path: Path, crafted: str
+) -> None:
+    # Checksums are recomputed after the damage, so the file opens: the damage must still
+    # surface as IntegrityError when the keys are read, never as other bytes taken for keys.
+    keys = [b"a", b"bb", b"ccc"]
+    if crafted == "not utf-8":
+        keys[1] = b"\xff\xfe"
+    header, offsets, blob = _keyindex._encode(keys)
+    values = list(memoryview(offsets).cast("Q"))
+    if crafted == "out of order":
+        values[2] = 0  # key 1 ends before it starts
+    elif crafted == "past 2**63":
+        values[1] = 2**64 - 40  # -40 as a signed offset: back into the header
+    fixed = array.array("Q", values).tobytes()
+    head = bytearray(header)
+    struct.pack_into("<Q", head, 32, xxhash.xxh3_64_intdigest(fixed))
+    path = tmp_path / "i.idx"
+    path.write_bytes(bytes(head) + fixed + bytes(blob))
+    index = KeyIndex.open(path)
+    with pytest.raises(IntegrityError, match=r"i\.idx"):
+        index.take(range(3))
+    with pytest.raises(IntegrityError):
+        list(index)
 
 
 # -- building it from a listing --------------------------------------------------------------
