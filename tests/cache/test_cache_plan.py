@@ -292,3 +292,66 @@ async def test_cache_with_a_plan() -> None:
                 lru.plan(order)
     finally:
         drop_memory_store(store.url.removeprefix("memory://"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8)),
+            st.tuples(st.just("get"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5)),
+            st.tuples(st.just("put"), st.tuples(st.sampled_from("abcdefg"), st.integers(0, 40))),
+            st.tuples(st.just("pin"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("unpin"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("discard"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("clear"), st.just("")),
+        ),
+        max_size=50,
+    )
+)
+def test_the_budget_and_the_pins_hold_through_every_switch_of_the_plan(
+    ops: list[tuple[str, object]],
+) -> None:
+    # Any mix of plan pieces, reads in and out of order, puts that evict, pins, discards
+    # and clears: the bytes counted are the bytes held, within the budget, a pinned entry
+    # is never evicted, a value read is the value last put, and the list form holds no map.
+    tier = PlanTier(60)
+    held: dict[str, bytes] = {}  # what the tier may still hold: the last value put
+    pinned: set[str] = set()
+    for op, arg in ops:
+        if op == "plan":
+            assert isinstance(arg, list)
+            tier.extend(arg)
+        elif op == "get":
+            value = tier.get(str(arg))
+            assert value is None or value == held[str(arg)]
+        elif op == "run":
+            assert isinstance(arg, list)
+            for key, value in zip(arg, tier.get_run(arg, 0, len(arg)), strict=False):
+                assert value == held[key]
+        elif op == "put":
+            assert isinstance(arg, tuple)
+            key, size = arg
+            before = {k for k in pinned if k in tier and k != key}
+            value = key.encode() * size
+            if tier.put(key, value):
+                held[key] = value
+            else:
+                held.pop(key, None)
+            assert before <= set(tier.keys())  # no pinned entry was evicted
+        elif op == "pin":
+            tier.pin([str(arg)])
+            pinned.add(str(arg))
+        elif op == "unpin":
+            tier.unpin([str(arg)])
+            pinned.discard(str(arg))
+        elif op == "discard":
+            tier.discard(str(arg))
+        else:
+            tier.clear()
+        cached = tier.keys()
+        assert tier.used == sum(len(held[k]) for k in cached)
+        assert tier.used <= tier.budget
+        assert tier.pinned_used == sum(len(held[k]) for k in cached if k in pinned)
+        assert not (tier._lazy and tier._uses)
