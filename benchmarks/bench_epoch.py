@@ -242,12 +242,6 @@ def run_warm(
     say()
 
 
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=10_000_000, help="keys in the planned epoch")
@@ -285,7 +279,7 @@ def main() -> int:
             import torch
 
             torch.set_num_threads(args.threads)
-        say(f"Warm epochs with torch's intra-op pool at {torch_threads()} threads.")
+        say(f"Warm epochs with torch's intra-op pool at {torch.get_num_threads()} threads.")
         say()
         with tempfile.TemporaryDirectory(prefix="bench-epoch-") as tmp:
             run_warm(Path(tmp), args.objects, args.object_size, args.workers, args.repeats, say)

@@ -291,8 +291,11 @@ class Prefetcher(AsyncResource):
                 self._plan_cache.plan(batch)
             except InvalidArgument:  # a bad key: planned without it, its read raises in order
                 self._plan_cache.plan([key for key in batch if _valid(key, self.url)])
-        self._ahead = self._ahead[self._next :] + batch
-        self._next = 0
+        ahead = self._ahead
+        if self._next * 2 >= len(ahead):  # the keys already taken, dropped now and then
+            del ahead[: self._next]
+            self._next = 0
+        ahead += batch
 
     def _refill_soon(self) -> None:
         # Keep the window full while the consumer works on what it got: without this, new

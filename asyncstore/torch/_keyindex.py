@@ -89,14 +89,12 @@ class KeyIndex(Sequence[str]):
                 with offsets.cast("Q") as items:
                     if items[0] != 0 or items[count] != blob_bytes:
                         raise IntegrityError(f"key index {where} is damaged (offsets out of range)")
-        whole = memoryview(buffer)
         self._buffer = buffer
-        self._offsets = whole[_HEADER.size : offsets_end].cast("Q")
-        self._blob = whole[offsets_end:]
         # The offsets as an array: a view of the mapping, shared with every process that
         # maps the file (ten million keys would be 80 MB private to each if copied).
-        self._bounds = np.frombuffer(self._offsets, dtype=np.int64)
+        self._bounds = np.frombuffer(buffer, dtype=np.int64, count=count + 1, offset=_HEADER.size)
         self._blob_at = offsets_end  # where the keys' bytes start in the buffer
+        self._blob_bytes: int = blob_bytes
         self._count: int = count
         self._path = path
         self._digest = (offsets_sum, blob_sum)
@@ -160,7 +158,7 @@ class KeyIndex(Sequence[str]):
         # Only the first and last offsets are checked at open: a file made to pass its
         # checksums could hold one out of order, or past 2**63 (negative here), which
         # would slice other parts of the file. Checked for these keys, in a few passes.
-        if len(first) and not ((first >= 0) & (first <= last) & (last <= len(self._blob))).all():
+        if len(first) and not ((first >= 0) & (first <= last) & (last <= self._blob_bytes)).all():
             raise IntegrityError(
                 f"key index {self._path or '(memory)'} is damaged (offsets out of order)"
             )
