@@ -24,6 +24,7 @@ from pathlib import Path
 
 from _plots import publish, today
 from _report import machine, record
+from _server import bench_seaweedfs
 
 import asyncstore
 from asyncstore.cache import TieredCache
@@ -123,7 +124,7 @@ def main() -> int:
         lines.append(line)
 
     with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
-        server = SeaweedFS(data_dir=Path(tmp) / "seaweedfs")
+        server = bench_seaweedfs(Path(tmp) / "seaweedfs")
         server.start()
         try:
             server.create_bucket(BUCKET)

@@ -53,6 +53,7 @@ import torch
 from _baselines import aiobotocore_client, multipart_put
 from _plots import publish, today
 from _report import machine, record
+from _server import bench_seaweedfs
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -485,7 +486,7 @@ def run_small_loads(tmp: Path, say: Say, rounds: int = 7) -> None:
 
 def run_s3(state: dict[str, torch.Tensor], tmp: Path, say: Say) -> None:
     size = nbytes(state)
-    server = SeaweedFS(data_dir=tmp / "seaweedfs")
+    server = bench_seaweedfs(tmp / "seaweedfs")
     server.start()
     try:
         server.create_bucket(BUCKET)
@@ -1116,7 +1117,7 @@ def run_mirror(
     pin: bool,
 ) -> None:
     state = mirror_state(size, tensors)
-    server = SeaweedFS(data_dir=tmp / "seaweedfs")
+    server = bench_seaweedfs(tmp / "seaweedfs")
     server.start()
     try:
         server.create_bucket(BUCKET)

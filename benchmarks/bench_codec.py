@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 from _report import machine, record
+from _server import bench_seaweedfs
 from bench_checkpoint import cpu_seconds, nbytes, settle, transformer_state
 
 import asyncstore
-from asyncstore.testing import SeaweedFS
 
 MiB = 1 << 20
 BUCKET = "bench-codec"
@@ -111,7 +111,7 @@ def table(runs: Runs, base: str, raw: int, goal: float, noise: float, say: Say) 
 
 def run_s3(state: Any, tmp: Path, rounds: int, say: Say) -> list[str]:
     raw = nbytes(state)
-    server = SeaweedFS(data_dir=tmp / "seaweedfs")
+    server = bench_seaweedfs(tmp / "seaweedfs")
     server.start()
     try:
         server.create_bucket(BUCKET)

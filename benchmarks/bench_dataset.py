@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 from _plots import publish, today
 from _report import machine, record
+from _server import bench_seaweedfs
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 import asyncstore
@@ -512,7 +513,7 @@ def main() -> int:
             )
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-dataset-") as tmp:
-        server = SeaweedFS(data_dir=Path(tmp) / "seaweedfs")
+        server = bench_seaweedfs(Path(tmp) / "seaweedfs")
         server.start()
         try:
             server.create_bucket(BUCKET)

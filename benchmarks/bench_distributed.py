@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from _baselines import aiobotocore_client, multipart_put, ranged_get_to_file
 from _report import machine, record
+from _server import bench_seaweedfs
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -844,7 +845,7 @@ def main() -> int:
         }
         server: SeaweedFS | None = None
         if not args.no_s3:
-            server = SeaweedFS(data_dir=tmp / "seaweedfs")
+            server = bench_seaweedfs(tmp / "seaweedfs")
             server.start()
         try:
             if server is not None:

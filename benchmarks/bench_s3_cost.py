@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from _report import machine, record
+from _server import bench_seaweedfs
 from aiobotocore.session import get_session
 from bench_checkpoint import cpu_seconds, nbytes, storage_bytes, transformer_state
 
@@ -138,7 +139,7 @@ def run(mib: int, rounds: int, say: Callable[[str], None]) -> list[str]:
     size = nbytes(state)
     joined = b"".join(storage_bytes(state))
     parts = [joined[i : i + PART] for i in range(0, len(joined), PART)]
-    with tempfile.TemporaryDirectory() as tmp, SeaweedFS(data_dir=Path(tmp)) as server:
+    with tempfile.TemporaryDirectory() as tmp, bench_seaweedfs(Path(tmp)) as server:
         server.create_bucket(BUCKET)
         options = server.store_options(part_bytes=PART, upload_max_inflight=INFLIGHT)
         assert server.pid is not None

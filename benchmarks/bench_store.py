@@ -28,6 +28,7 @@ import botocore
 from _baselines import aiobotocore_client, multipart_put
 from _plots import publish, today
 from _report import machine, record
+from _server import bench_seaweedfs
 
 import asyncstore
 from asyncstore.testing import SeaweedFS
@@ -151,7 +152,7 @@ def main() -> int:
         lines.append(line)
 
     with tempfile.TemporaryDirectory(prefix="bench-seaweedfs-") as data_dir:
-        server = SeaweedFS(data_dir=data_dir)
+        server = bench_seaweedfs(data_dir)
         server.start()
         try:
             server.create_bucket(BUCKET)
