@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from asyncstore import NotFound
-from asyncstore.checkpoint import Checkpointer
+from asyncstore.checkpoint import Checkpointer, _tail
 from asyncstore.checkpoint._mirror import send_checked
 from asyncstore.checkpoint._tail import Tail, Untailed
 from asyncstore.checkpoint._target import Sink, StoreSink, open_sink, resolve
@@ -370,8 +370,8 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
         tail.close()
         assert await mirror.get(KEY) == bytes(data)
     # Out at once at most: 2 parts in flight, one waiting to go, one being gathered (5
-    # chunks each), and the chunk being read; 40 were read. (Copied, one would do.)
-    assert 5 < len(made) <= 4 * 5 + 1, made  # more than a part: lent, not copied
+    # chunks each), and the chunks read ahead; 40 were read. (Copied, 5 would do.)
+    assert 5 + _tail._AHEAD < len(made) <= 4 * 5 + _tail._AHEAD, made  # lent, not copied
     made.clear()
     async with open_store(f"s3://{BUCKET}/{unique('tail')}", **options) as mirror:
         tail, sink = await followed(tmp_path / "again")
@@ -383,3 +383,46 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
         assert await sent == 8 * MiB
         tail.close()
     assert made == []  # the buffers kept from the first pack
+
+
+async def test_the_tail_reads_a_few_chunks_ahead_and_stops_them_when_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While the upload waits to send a chunk, the next ones are read: a read that came only
+    # when asked could land in the save's last fsync and wait for the device's cache flush.
+    # Four ahead and no more (bounded memory); closed early, the reads stop and their
+    # buffers are kept for the next pack; a failed read is raised in its turn.
+    offsets: list[int] = []
+    real_read = Tail._read
+
+    def recorded(self: Tail, buffer: memoryview, offset: int, n: int) -> memoryview:
+        offsets.append(offset)
+        if offset == 9 * MiB:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_read(self, buffer, offset, n)
+
+    monkeypatch.setattr(Tail, "_read", recorded)
+    monkeypatch.setattr(_tail, "_FREE", {})
+    tail, sink = await followed(tmp_path)
+    data = pack_bytes(12 * MiB)
+    for start in range(0, len(data), MiB):
+        await sink.write(data[start : start + MiB])
+    chunks = tail.chunks(MiB)
+    first, loan = await anext(chunks)
+    assert bytes(first) == bytes(data[:MiB])
+    await asyncio.sleep(0.1)
+    assert sorted(offsets) == [i * MiB for i in range(1 + _tail._AHEAD)]
+    loan.release()
+    await chunks.aclose()
+    assert len(_tail._FREE[MiB]) == 1 + _tail._AHEAD  # every buffer back, none lost
+    # Again to the failed read: the chunks before it come first, in order.
+    offsets.clear()
+    got = []
+    with pytest.raises(OSError, match="Input/output"):
+        async for chunk, loan in tail.chunks(MiB):
+            got.append(bytes(chunk))
+            loan.release()
+    assert got == [bytes(data[i * MiB : (i + 1) * MiB]) for i in range(9)]
+    assert len(_tail._FREE[MiB]) == 1 + _tail._AHEAD  # reused, and kept again
+    await sink.abort(RuntimeError("the test is over"))
+    tail.close()
