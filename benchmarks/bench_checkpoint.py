@@ -631,6 +631,20 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def asyncstore_cpu_seconds() -> float:
+    """CPU time (user + system) of this process's asyncstore threads: its event loop's and
+    its worker threads' (named ``asyncstore...``), whatever else the process runs."""
+    total = 0
+    for thread in threading.enumerate():
+        if not thread.name.startswith("asyncstore") or thread.native_id is None:
+            continue
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def busy_seconds() -> float:
     """CPU time the whole machine spent busy (every process, all cores) since boot."""
     ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -826,6 +840,7 @@ class MirrorBench:
             if pin:
                 place()
             cpu, server_cpu, busy = cpu_seconds(), cpu_seconds(self.server.pid), busy_seconds()
+            own = asyncstore_cpu_seconds()
             blocking = 0.0
             started = time.perf_counter()
             for i in range(1, steps + 1):
@@ -845,6 +860,7 @@ class MirrorBench:
             note(f"{name} blocking", blocking)
             used, served = cpu_seconds() - cpu, cpu_seconds(self.server.pid) - server_cpu
             note(f"{name} cpu", used)
+            note(f"{name} asyncstore cpu", asyncstore_cpu_seconds() - own)
             note(f"{name} server cpu", served)
             # What other processes took meanwhile: a run that shared the cores with
             # something else shows it here.
@@ -937,8 +953,9 @@ class MirrorBench:
             "the training loop; the throughput lost is the median of the rounds' own ratios "
             "(each round's run with checkpoints against its run without). The run's end "
             "waits for the last upload (closing the checkpointer). CPU seconds to the run's "
-            "end: this process's (training and asyncstore), the SeaweedFS server's, which "
-            "shares the same cores, and every other process's (the machine's noise)."
+            "end: this process's (training and asyncstore), of which asyncstore's own "
+            "threads (its event loop and workers), the SeaweedFS server's, which shares the "
+            "same cores, and every other process's (the machine's noise)."
             + (
                 " Pinned: this process (training and asyncstore) on one core, SeaweedFS on "
                 "the other."
@@ -949,9 +966,10 @@ class MirrorBench:
         say()
         say(
             "| training threads | checkpointing | steps/s | throughput lost | "
-            "blocked in save | to the run's end | CPU, process | CPU, SeaweedFS | CPU, others |"
+            "blocked in save | to the run's end | CPU, process | of which asyncstore's | "
+            "CPU, SeaweedFS | CPU, others |"
         )
-        say("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+        say("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         lost_by_threads: dict[int, float] = {}
         for threads in thread_counts:
             paired = zip(sim[f"{threads} mirror loop"], sim[f"{threads} none loop"], strict=True)
@@ -966,6 +984,7 @@ class MirrorBench:
                     f"{blocked if kind == 'mirror' else ''} | "
                     f"{statistics.median(sim[name + ' total']):.2f} s | "
                     f"{statistics.median(sim[name + ' cpu']):.1f} s | "
+                    f"{statistics.median(sim[name + ' asyncstore cpu']):.2f} s | "
                     f"{statistics.median(sim[name + ' server cpu']):.1f} s | "
                     f"{statistics.median(sim[name + ' other cpu']):.1f} s |"
                 )
@@ -982,6 +1001,21 @@ class MirrorBench:
             pairs = zip(sim[f"{threads} none loop"], sim[f"{threads} mirror loop"], strict=True)
             rounds_text = ", ".join(f"{n:.2f} / {m:.2f} s ({m / n - 1:+.1%})" for n, m in pairs)
             say(f"- {threads} training thread{'s' if threads > 1 else ''}: {rounds_text}")
+        say()
+        for threads in thread_counts:
+            used = sim[f"{threads} mirror asyncstore cpu"]
+            own = statistics.median(used)
+            base = statistics.median(sim[f"{threads} none loop"])
+            say(
+                f"asyncstore's own threads used {own:.2f} CPU seconds per run with checkpoints "
+                f"({min(used):.2f}-{max(used):.2f} over the rounds; "
+                f"{threads} training thread{'s' if threads > 1 else ''}), "
+                f"{own / base:.1%} of the baseline run's {base:.2f} s: the part of the "
+                "throughput lost that is asyncstore's own work"
+                + (", on the training core" if pin else "")
+                + ". The rest of the loss is the training steps running slower beside it, and "
+                "the rounds' spread."
+            )
         say()
         return lost_by_threads
 
