@@ -241,14 +241,18 @@ class Tail:
                 read_ahead()  # read on while the consumer waits to send this one
                 yield data, Loan(functools.partial(_keep, chunk_bytes, buffer))
         finally:
-            # Reads not handed on: stopped (a read in its thread ends first), buffers kept.
-            for _, _, read, _ in reads:
+            # Reads not handed on: stopped, each once its thread is done with its buffer
+            # (even if this is cancelled again meanwhile: the descriptors close after this),
+            # and their buffers kept.
+            pending = [read for _, _, read, _ in reads]
+            for read in pending:
                 read.cancel()
-            if reads:
-                await asyncio.wait([read for _, _, read, _ in reads])
-                forget_errors(read for _, _, read, _ in reads)
-                for _, _, _, buffer in reads:
-                    _keep(chunk_bytes, buffer)
+            while not all(read.done() for read in pending):
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait(pending)
+            forget_errors(pending)
+            for _, _, _, buffer in reads:
+                _keep(chunk_bytes, buffer)
 
     def _read(self, buffer: memoryview, offset: int, n: int) -> memoryview:
         # ``n`` bytes from ``offset`` (a multiple of ALIGN) into ``buffer``: fewer only at

@@ -9,6 +9,7 @@ import errno
 import fcntl
 import mmap
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -424,5 +425,52 @@ async def test_the_tail_reads_a_few_chunks_ahead_and_stops_them_when_closed(
             loan.release()
     assert got == [bytes(data[i * MiB : (i + 1) * MiB]) for i in range(9)]
     assert len(_tail._FREE[MiB]) == 1 + _tail._AHEAD  # reused, and kept again
+    await sink.abort(RuntimeError("the test is over"))
+    tail.close()
+
+
+async def test_a_tail_cancelled_twice_still_waits_for_its_reads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The upload's descriptors close once it ends: the reads ahead, in their threads, must
+    # end first, even when the upload is cancelled again while it stops them.
+    running = [0]
+    lock = threading.Lock()
+    real_read = Tail._read
+
+    def slow(self: Tail, buffer: memoryview, offset: int, n: int) -> memoryview:
+        with lock:
+            running[0] += 1
+        try:
+            time.sleep(0.2)
+            return real_read(self, buffer, offset, n)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(Tail, "_read", slow)
+    monkeypatch.setattr(_tail, "_FREE", {})
+    tail, sink = await followed(tmp_path)
+    data = pack_bytes(12 * MiB)
+    for start in range(0, len(data), MiB):
+        await sink.write(data[start : start + MiB])
+    got = asyncio.Event()
+
+    async def upload() -> None:
+        async with contextlib.aclosing(tail.chunks(MiB)) as chunks:
+            async for _, loan in chunks:
+                loan.release()
+                got.set()
+                await asyncio.sleep(10)  # a part that takes long to leave
+
+    task = asyncio.ensure_future(upload())
+    await got.wait()
+    task.cancel()
+    await asyncio.sleep(0.02)  # stopping its reads now
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert running[0] == 0
+    assert len(_tail._FREE[MiB]) == 1 + _tail._AHEAD
     await sink.abort(RuntimeError("the test is over"))
     tail.close()
