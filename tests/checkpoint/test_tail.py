@@ -386,6 +386,22 @@ async def test_the_tail_lends_its_buffers_and_reads_into_them_again(
     assert made == []  # the buffers kept from the first pack
 
 
+async def written_through(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    read: Callable[[Tail, memoryview, int, int], memoryview],
+) -> tuple[Tail, Sink, memoryview]:
+    """A followed pack of 12 MiB written (not committed), its tail reading with ``read``
+    and no read buffer kept from before: the tail, the sink and the bytes."""
+    monkeypatch.setattr(Tail, "_read", read)
+    monkeypatch.setattr(_tail, "_FREE", {})
+    tail, sink = await followed(tmp_path)
+    data = pack_bytes(12 * MiB)
+    for start in range(0, len(data), MiB):
+        await sink.write(data[start : start + MiB])
+    return tail, sink, data
+
+
 async def test_the_tail_reads_a_few_chunks_ahead_and_stops_them_when_closed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -402,12 +418,7 @@ async def test_the_tail_reads_a_few_chunks_ahead_and_stops_them_when_closed(
             raise OSError(errno.EIO, "Input/output error")
         return real_read(self, buffer, offset, n)
 
-    monkeypatch.setattr(Tail, "_read", recorded)
-    monkeypatch.setattr(_tail, "_FREE", {})
-    tail, sink = await followed(tmp_path)
-    data = pack_bytes(12 * MiB)
-    for start in range(0, len(data), MiB):
-        await sink.write(data[start : start + MiB])
+    tail, sink, data = await written_through(tmp_path, monkeypatch, recorded)
     chunks = tail.chunks(MiB)
     first, loan = await anext(chunks)
     assert bytes(first) == bytes(data[:MiB])
@@ -448,12 +459,7 @@ async def test_a_tail_cancelled_twice_still_waits_for_its_reads(
             with lock:
                 running[0] -= 1
 
-    monkeypatch.setattr(Tail, "_read", slow)
-    monkeypatch.setattr(_tail, "_FREE", {})
-    tail, sink = await followed(tmp_path)
-    data = pack_bytes(12 * MiB)
-    for start in range(0, len(data), MiB):
-        await sink.write(data[start : start + MiB])
+    tail, sink, _ = await written_through(tmp_path, monkeypatch, slow)
     got = asyncio.Event()
 
     async def upload() -> None:
