@@ -9,6 +9,7 @@ import errno
 import fcntl
 import mmap
 import os
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from asyncstore import NotFound
 from asyncstore.checkpoint import Checkpointer, _tail
@@ -480,3 +483,43 @@ async def test_a_tail_cancelled_twice_still_waits_for_its_reads(
     assert len(_tail._FREE[MiB]) == 1 + _tail._AHEAD
     await sink.abort(RuntimeError("the test is over"))
     tail.close()
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    size=st.integers(0, 2 * MiB),
+    pieces=st.lists(st.integers(10_000, 1536 * 1024), min_size=1, max_size=6),
+    chunk=st.sampled_from([64 << 10, MiB]),
+)
+async def test_the_tail_hands_on_exactly_the_pack_whatever_the_writes(
+    size: int, pieces: list[int], chunk: int
+) -> None:
+    # Writes of any size (the appender holds back what is not a whole block), read ahead
+    # while the upload consumes: every byte once, in order, in whole chunks but the last,
+    # and the last only once the version committed.
+    data = pack_bytes(size) if size else memoryview(b"")
+    with tempfile.TemporaryDirectory() as tmp:
+        tail, sink = await followed(Path(tmp))
+        got: list[bytes] = []
+
+        async def upload() -> None:
+            async for view, loan in tail.chunks(chunk):
+                got.append(bytes(view))
+                loan.release()
+                await asyncio.sleep(0)
+
+        task = asyncio.ensure_future(upload())
+        offset, turn = 0, 0
+        while offset < size:
+            step = pieces[turn % len(pieces)]
+            await sink.write(data[offset : offset + step])
+            offset, turn = offset + step, turn + 1
+            await asyncio.sleep(0)
+        await sink.commit()
+        await asyncio.sleep(0.01)
+        assert sum(map(len, got)) <= size - size % chunk  # the last part waits for release
+        tail.release()
+        await task
+        tail.close()
+    assert b"".join(got) == bytes(data)
+    assert all(len(piece) == chunk for piece in got[:-1])
