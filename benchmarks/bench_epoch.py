@@ -276,8 +276,6 @@ def main() -> int:
         run_plan(args.keys, args.repeats, say)
     if not args.plan:
         if args.threads:
-            import torch
-
             torch.set_num_threads(args.threads)
         say(f"Warm epochs with torch's intra-op pool at {torch.get_num_threads()} threads.")
         say()
