@@ -7,14 +7,13 @@ import contextlib
 import json
 import logging
 import multiprocessing
-import operator
 import os
 import sys
 import warnings
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from itertools import starmap
-from operator import itemgetter
+from operator import itemgetter, length_hint
 from pathlib import Path
 from types import FrameType
 from typing import Any, Generic, Literal, TypeVar
@@ -485,7 +484,7 @@ class StreamingDataset(IterableDataset[T], Generic[T]):
         if self._handing is None:
             return self._yielded_before
         size, pairs = self._handing
-        return self._yielded_before + size - operator.length_hint(pairs)
+        return self._yielded_before + size - length_hint(pairs)
 
     def _check_loader_batch(self, caller: FrameType | None) -> None:
         # Workers take whole batches of the dataset's batch_size in turn, while the
@@ -680,7 +679,7 @@ class _Session:
                 if not items:
                     return
                 self._staged.append(items)
-                staged += sum(map(len, map(itemgetter(1), items)))
+                staged += sum(map(len, map(_second, items)))
 
     async def close(self) -> DatasetStats:
         await self._tasks.aclose()
