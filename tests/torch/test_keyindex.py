@@ -116,6 +116,28 @@ def test_an_index_made_to_pass_its_checksums_still_names_no_wrong_key(
         list(index)
 
 
+@pytest.mark.parametrize("keep", [True, False], ids=["small: decoded keys kept", "large"])
+def test_keys_decoded_once_are_the_same_objects_each_time_in_a_small_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    # A warm epoch looks keys up in the cache: the same str objects every epoch match by
+    # identity, hashes known. A large index keeps none (its keys stay compact).
+    if not keep:
+        monkeypatch.setattr(_keyindex, "_KEEP_DECODED_BYTES", 100)
+    keys = [f"k/{i:04d}" for i in range(1000)]
+    write_index(tmp_path / "i.idx", keys)
+    for index in (KeyIndex.from_keys(keys), KeyIndex.open(tmp_path / "i.idx")):
+        first = index.take([5, 7, 5])
+        assert first == ["k/0005", "k/0007", "k/0005"]
+        # Some decoded before, some not, some twice in one call: each in its place.
+        second = index.take(np.array([9, 7, 5, 9, 999], dtype=np.int64))
+        assert second == ["k/0009", "k/0007", "k/0005", "k/0009", "k/0999"]
+        assert (second[1] is first[1]) is keep
+        assert (index.take([999])[0] is second[4]) is keep
+        assert list(index) == keys
+        assert index[-1] == "k/0999"
+
+
 # -- building it from a listing --------------------------------------------------------------
 
 
