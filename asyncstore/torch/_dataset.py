@@ -67,8 +67,7 @@ _second = itemgetter(1)  # a sample's bytes, from its (key, bytes)
 # Keys decoded from the key index at a time, as the prefetcher reads the plan.
 _DECODE = 512
 
-# Batches staged ahead on the loop (see _Session), and the bytes that stops staging early:
-# the consumer wakes the loop once for several batches rather than for each.
+# Batches staged ahead on the loop (see _Session), and the bytes that stops staging early.
 _STAGED = 4
 _STAGED_BYTES = 64 << 20
 
@@ -620,8 +619,16 @@ class _Session:
     small VM (5 µs a sample at 64 samples), more than a warm sample's own handling. The loop
     stages the next batches from the items ready now (``take(least=0)`` never waits for a
     fetch, so the prefetcher's waits and stalls stay the consumer's own), up to 4 batches or
-    64 MiB, and the consumer wakes it again when one batch or none is left: one wake-up for
-    several batches. Only when nothing is staged does the consumer make a trip and wait.
+    64 MiB. Only when nothing is staged does the consumer make a trip and wait.
+
+    The consumer wakes the loop as it takes each batch, so that the loop stages one batch
+    per wake-up. The loop's staging holds the GIL, and the consumer waits for it to finish
+    whenever it needs the GIL back: one batch's staging fits in the time the consumer spends
+    without the GIL (the collate's copy), where staging three at once, after every third
+    batch, made it wait for most of the burst. Measured on warm epochs served from memory
+    (2 cores, 0 workers), together with the key index's kept keys: the consumer waited for
+    the GIL 2.3 µs a sample instead of 3.8, and epochs ran 1.09x as fast (median of 40
+    alternating pairs).
     """
 
     def __init__(self, cache: TieredCache, prefetcher: Prefetcher, before: CacheStats) -> None:
@@ -633,6 +640,9 @@ class _Session:
         self._tasks = TaskSet("a StreamingDataset iteration")
         self._most = _BATCH
         self._error: BaseException | None = None
+        # Set by the consumer when it wakes the loop, cleared by the loop when it wakes: no
+        # second wake-up while one is on its way (each costs a write to the loop's socket).
+        self._waking = False
 
     def next_batch(self, most: int, least: int) -> list[tuple[str, bytes]]:
         """The next items, at least ``least`` unless the plan ends (from the consumer's
@@ -643,10 +653,16 @@ class _Session:
         except IndexError:
             items = run_sync(self._take(most, least))
         else:
-            if len(self._staged) <= 1:  # running low: the loop stages more meanwhile
-                self._loop.call_soon_threadsafe(self._stage)
+            if not self._waking:  # the loop stages the next batch meanwhile
+                self._waking = True
+                self._loop.call_soon_threadsafe(self._woken)
         self.samples += len(items)
         return items
+
+    def _woken(self) -> None:
+        # On the loop: the consumer took a batch. A wake-up it sends from now on is a new one.
+        self._waking = False
+        self._stage()
 
     async def _take(self, most: int, least: int) -> list[tuple[str, bytes]]:
         async with self._taking:
@@ -660,8 +676,9 @@ class _Session:
         return items
 
     def _stage(self) -> None:
-        # On the loop: stage the next batches, unless enough are staged or being taken.
-        if len(self._staged) <= 1 and not self._taking.locked() and not self.prefetcher.closed:
+        # On the loop: stage the next batches, unless enough are staged or being taken (a
+        # staging under way stages up to _STAGED, this batch included).
+        if len(self._staged) < _STAGED and not self._taking.locked() and not self.prefetcher.closed:
             with contextlib.suppress(StoreClosed):  # the iteration is closing
                 self._tasks.spawn(self._stage_ready(), name="stage a batch")
 
