@@ -54,9 +54,10 @@ _OFFSET = 8
 # Keys handed to the writer per write, and between two flushes of a partial listing.
 _CHUNK = 65_536
 
-# Indexes whose keys would take at most this much memory as Python strings (about 60 bytes
-# a key besides its own) keep each key once decoded (see KeyIndex.take).
-_KEEP_DECODED_BYTES = 32 << 20
+# Indexes whose keys would take at most this much memory as Python strings keep each key
+# once decoded (see KeyIndex.take), in every process that reads them: about 60 bytes a key
+# besides its own, whose characters take up to 4 bytes each when any is not ASCII.
+_KEEP_DECODED_BYTES = 16 << 20
 
 
 class KeyIndex(Sequence[str]):
@@ -109,7 +110,10 @@ class KeyIndex(Sequence[str]):
         # stay compact.
         self._decoded: npt.NDArray[np.object_] | None = None
         if blob_bytes + 60 * count <= _KEEP_DECODED_BYTES:
-            self._decoded = np.full(count, None, dtype=object)
+            chars = np.frombuffer(buffer, dtype=np.uint8, count=blob_bytes, offset=offsets_end)
+            wide = 4 if blob_bytes and chars.max() >= 0x80 else 1  # str's widest form
+            if wide * blob_bytes + 60 * count <= _KEEP_DECODED_BYTES:
+                self._decoded = np.full(count, None, dtype=object)
 
     @property
     def digest(self) -> tuple[int, int]:
@@ -163,6 +167,11 @@ class KeyIndex(Sequence[str]):
         """The keys at ``indices`` (each in ``range(len(self))``), in that order."""
         if not isinstance(indices, np.ndarray):
             indices = np.fromiter(indices, dtype=np.int64)
+        # A negative index would read the wrong bounds, and a wrong key kept decoded would
+        # be handed out for every later read of its place.
+        if len(indices) and not 0 <= indices.min() <= indices.max() < self._count:
+            bad = indices[(indices < 0) | (indices >= self._count)][0]
+            raise IndexError(f"key index {int(bad)} out of range({self._count})")
         decoded = self._decoded
         if decoded is None:
             return self._decode(indices)

@@ -136,6 +136,25 @@ def test_keys_decoded_once_are_the_same_objects_each_time_in_a_small_index(
         assert (index.take([999])[0] is second[4]) is keep
         assert list(index) == keys
         assert index[-1] == "k/0999"
+        # A place outside the index is refused, not read from other bounds (and kept).
+        for bad in ([-2], [3, 1000], np.array([0, -1], dtype=np.int64)):
+            with pytest.raises(IndexError, match="out of range"):
+                index.take(bad)
+        assert index.take([998, 3]) == ["k/0998", "k/0003"]
+
+
+def test_an_index_of_wide_keys_keeps_them_only_if_their_strings_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # One character beyond the Basic Multilingual Plane makes a str take 4 bytes for every
+    # character: the estimate counts them so (an index of ASCII keys the same size fits).
+    narrow = [f"k{i:09d}" for i in range(100)]
+    wide = [f"\U0001f600{i:06d}" for i in range(100)]  # also 10 bytes in UTF-8
+    monkeypatch.setattr(_keyindex, "_KEEP_DECODED_BYTES", 100 * 60 + 2 * 1000)
+    assert KeyIndex.from_keys(narrow)._decoded is not None
+    index = KeyIndex.from_keys(wide)
+    assert index._decoded is None
+    assert index.take([7, 0]) == [wide[7], wide[0]]
 
 
 # -- building it from a listing --------------------------------------------------------------
