@@ -1149,11 +1149,18 @@ def run_mirror(
     thread_counts: list[int],
     compression: Compression,
     pin: bool,
+    server_dir: Path | None = None,
 ) -> None:
     state = mirror_state(size, tensors)
-    server = bench_seaweedfs(tmp / "seaweedfs")
-    server.start()
-    try:
+    with contextlib.ExitStack() as stack:
+        where = tmp
+        if server_dir is not None:
+            where = Path(stack.enter_context(tempfile.TemporaryDirectory(dir=server_dir)))
+            say(f"SeaweedFS keeps its data in {server_dir}, not on the checkpoints' disk.")
+            say()
+        server = bench_seaweedfs(where / "seaweedfs")
+        server.start()
+        stack.callback(server.stop, timeout=1.0)
         server.create_bucket(BUCKET)
         bench = MirrorBench(state, tmp, server, compression, say)
         bench.saves(rounds)
@@ -1161,8 +1168,6 @@ def run_mirror(
         sim = bench.simulate(steps, every, sim_rounds, thread_counts, pin)
         lost = bench.report_simulation(sim, steps, every, sim_rounds, thread_counts, pin)
         bench.report_goals(lost)
-    finally:
-        server.stop(timeout=1.0)
 
 
 def main() -> int:
@@ -1213,6 +1218,13 @@ def main() -> int:
         "core, SeaweedFS on the others",
     )
     parser.add_argument(
+        "--server-dir",
+        type=Path,
+        help="with --mirror: where SeaweedFS keeps its data (default: beside the local "
+        "checkpoints, on the same disk); a tmpfs such as /dev/shm models an S3 whose disks "
+        "are not the training node's",
+    )
+    parser.add_argument(
         "--compression",
         choices=("none", "auto"),
         default="none",
@@ -1252,6 +1264,7 @@ def main() -> int:
                 sim_threads,
                 compression,
                 args.pin,
+                args.server_dir,
             )
             if args.write:
                 record(
