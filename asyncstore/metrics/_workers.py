@@ -19,7 +19,10 @@ figures kept for its worker id, and the file removed: what exited workers counte
 the counters. Records are folded too at each ``set_epoch`` of the dataset, so that the
 directory holds about one file per live worker even when nothing scrapes. A worker killed
 outright loses what it counted since its last record (at most :data:`INTERVAL` seconds).
-The directory goes when the dataset is garbage-collected or the interpreter exits.
+The directory goes when the dataset is garbage-collected or the interpreter exits. A process
+killed outright (SIGKILL, the OOM killer) cannot remove it: the next dataset made on the host
+removes the directories of this user's processes that are gone, once untouched for
+:data:`STALE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -56,6 +59,12 @@ INTERVAL = 0.5
 
 _PREFIX = "asyncstore-metrics-"
 _SUFFIX = ".rec"
+
+STALE_SECONDS = 3600.0
+"""A directory of records whose owner process is gone is removed once untouched this long:
+its pid alone could belong to a process in another pid namespace sharing ``/dev/shm``,
+whose live dataset rewrites a record at least every :data:`INTERVAL` seconds while its
+workers iterate."""
 
 _logger = logging.getLogger("asyncstore.metrics")
 
@@ -114,6 +123,39 @@ def _alive(pid: int) -> bool:
     except OSError:  # another user's process took the number: it exists
         return True
     return True
+
+
+def _sweep(base: str | None) -> int:
+    """Remove the record directories under ``base`` (tempfile's default for None) that
+    this user's killed processes left: owner gone, untouched for :data:`STALE_SECONDS`.
+    Returns how many went; never raises (figures never stop the training)."""
+    removed = 0
+    try:
+        entries = list(os.scandir(base if base is not None else tempfile.gettempdir()))
+    except OSError:
+        return 0
+    now, uid = time.time(), os.getuid()
+    for entry in entries:
+        if not entry.name.startswith(_PREFIX):
+            continue
+        try:
+            owner = int(entry.name[len(_PREFIX) :].split("-")[0])
+            info = entry.stat(follow_symlinks=False)
+        except (ValueError, OSError):
+            continue
+        if (
+            not entry.is_dir(follow_symlinks=False)
+            or info.st_uid != uid
+            or owner == os.getpid()
+            or now - info.st_mtime < STALE_SECONDS
+            or _alive(owner)
+        ):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += not os.path.exists(entry.path)
+    if removed:
+        _logger.info("removed %d record directories of killed processes", removed)
+    return removed
 
 
 def _remove(directory: str, owner: int) -> None:
@@ -232,8 +274,10 @@ class WorkerFigures:
         self.summary = summary
         self.owner = os.getpid()
         self.directory: str | None
+        base = _base()
+        _sweep(base)
         try:
-            self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{self.owner}-", dir=_base())
+            self.directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{self.owner}-", dir=base)
         except OSError as exc:
             self.directory = None
             _logger.warning(

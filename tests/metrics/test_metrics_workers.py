@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -302,6 +303,65 @@ def test_no_directory_left_at_exit(data_dir: Path) -> None:
     directory, pid = done.stdout.split()
     assert os.path.basename(directory).startswith(f"asyncstore-metrics-{pid}-")
     assert not os.path.exists(directory)
+
+
+def test_a_killed_process_s_directory_goes_at_the_next_dataset_once_stale(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SIGKILL (the OOM killer) leaves the directory: the next dataset on the host removes
+    # it once its owner is gone and it went untouched for STALE_SECONDS, nothing else.
+    base = tmp_path / "shm"
+    base.mkdir()
+    monkeypatch.setattr(workers_module, "_base", lambda: str(base))
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from torch.utils.data import DataLoader
+        from asyncstore.metrics import _workers
+        from asyncstore.torch import StreamingDataset
+
+        if __name__ == "__main__":
+            _workers._base = lambda: {str(base)!r}
+            ds = StreamingDataset({str(data_dir)!r}, batch_size={BATCH})
+            loader = DataLoader(ds, batch_size={BATCH}, num_workers=2)
+            assert sum(len(batch) for batch in loader) == {COUNT}
+            print(ds._worker_figures.directory, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == -9, done.stderr
+    killed = Path(done.stdout.strip())
+    assert killed.parent == base
+    assert killed.is_dir()
+    dead = int(killed.name.split("-")[2])
+    stale = time.time() - workers_module.STALE_SECONDS - 60
+
+    def made(name: str, *, old: bool = True, kind: str = "dir") -> Path:
+        path = base / name
+        if kind == "dir":
+            path.mkdir()
+        else:
+            path.write_bytes(b"")
+        if old:
+            os.utime(path, (stale, stale))
+        return path
+
+    fresh = made(f"asyncstore-metrics-{dead}-fresh", old=False)
+    alive = made(f"asyncstore-metrics-{os.getppid()}-alive")
+    unnamed = made("asyncstore-metrics-x-unnamed")
+    a_file = made(f"asyncstore-metrics-{dead}-file", kind="file")
+    other = made(f"other-{dead}-dir")
+    os.utime(killed, (stale, stale))
+    ds: StreamingDataset[bytes] = StreamingDataset(data_dir, batch_size=BATCH)
+    assert not killed.exists()
+    assert all(path.exists() for path in (fresh, alive, unnamed, a_file, other))
+    mine = ds._worker_figures.directory
+    assert mine is not None
+    assert Path(mine).parent == base
+    ds.close()
 
 
 @pytest.mark.usefixtures("no_leaks")
