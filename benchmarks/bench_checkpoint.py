@@ -623,26 +623,29 @@ def version_name(step: int) -> str:
     return f"step-{step:09d}.ckpt"
 
 
+def _stat_cpu_seconds(stat: Path) -> float:
+    """CPU time (user + system) in a process's or a thread's ``stat`` file under /proc."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    # utime and stime are the stat file's fields 14 and 15; the split starts at field 3.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int | None = None) -> float:
     """CPU time (user + system) of process ``pid``, all its threads; this process's by
     default."""
-    fields = Path(f"/proc/{pid or 'self'}/stat").read_text().rsplit(")", 1)[1].split()
-    # utime and stime are the stat file's fields 14 and 15; the split starts at field 3.
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu_seconds(Path(f"/proc/{pid or 'self'}/stat"))
 
 
 def asyncstore_cpu_seconds() -> float:
     """CPU time (user + system) of this process's asyncstore threads: its event loop's and
     its worker threads' (named ``asyncstore...``), whatever else the process runs."""
-    total = 0
+    total = 0.0
     for thread in threading.enumerate():
         if not thread.name.startswith("asyncstore") or thread.native_id is None:
             continue
         with contextlib.suppress(FileNotFoundError):  # a thread that just ended
-            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+            total += _stat_cpu_seconds(Path(f"/proc/self/task/{thread.native_id}/stat"))
+    return total
 
 
 def busy_seconds() -> float:

@@ -178,8 +178,9 @@ class KeyIndex(Sequence[str]):
         keys: list[str | None] = decoded[indices].tolist()
         if None in keys:  # decoded on first use
             missing = [at for at, key in enumerate(keys) if key is None]
-            fresh = self._decode(indices[missing])
-            decoded[indices[missing]] = fresh
+            places = indices[missing]
+            fresh = self._decode(places)
+            decoded[places] = fresh
             for at, key in zip(missing, fresh, strict=True):
                 keys[at] = key
         return cast("list[str]", keys)
