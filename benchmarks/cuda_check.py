@@ -13,7 +13,11 @@ state; a state larger than the staging budget; loads back to the saved devices a
 ``map_location="cpu"``; ``into=`` filling GPU tensors in place; a crafted view past its
 storage refused on the GPU, where storages can grow; a GPU state saved to S3 through pinned
 slabs lent to the upload's parts (SeaweedFS started here, when installed); a failed save's
-slabs reused only once its queued GPU copies have landed. It then times a save's
+slabs reused only once its queued GPU copies have landed; ``asyncstore.torch.save`` and
+``load`` as drop-ins for GPU tensors. It runs ``examples/train_ddp.py --device cuda`` as
+docs/distributed.md does (NCCL, DDP, pinned batches from a ``StreamingDataset``,
+background ``save_training_state``), kills its rank in the middle of a save and checks that
+the resumed job's losses are those of a job never interrupted. It then times a save's
 blocking time beside ``tensor.cpu()`` of the same bytes and DCP ``async_save``. Exits 1 if
 a check fails.
 """
@@ -23,6 +27,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import os
+import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +40,11 @@ import torch
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
 import asyncstore
+import asyncstore.torch
 from asyncstore.checkpoint import staging_pool
 
 MiB = 1 << 20
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_ddp.py"
 
 
 class Checks:
@@ -248,6 +257,25 @@ async def run(tmp: Path, size: int, check: Checks) -> None:
     meta = await asyncstore.load(tmp / "gpu.ckpt", map_location="meta")
     check(all(v.is_meta for v in meta.values()), 'map_location="meta" loads every tensor there')
 
+    # The drop-ins: asyncstore.torch.save of GPU tensors, loaded by torch.load and by
+    # asyncstore.torch.load onto the GPU; a torch.save file of GPU tensors loaded by ours.
+    drop = {"w": torch.randn(MiB, device=devices[0]), "n": torch.arange(10, device=devices[-1])}
+    asyncstore.torch.save(drop, tmp / "drop.ckpt")
+    ours = asyncstore.torch.load(tmp / "drop.ckpt")
+    asyncstore.torch.save(drop, tmp / "drop.pt", format="torch")
+    theirs = torch.load(tmp / "drop.pt", weights_only=True)
+    check(
+        same(ours, drop) and same(theirs, drop),
+        "asyncstore.torch.save of GPU tensors loads with ours, and with torch.load as torch's",
+    )
+    torch.save(drop, tmp / "plain.pt")
+    moved = asyncstore.torch.load(tmp / "plain.pt", map_location=str(devices[-1]))
+    check(
+        all(v.device == devices[-1] for v in moved.values())
+        and all(torch.equal(moved[k].cpu(), drop[k].cpu()) for k in drop),
+        "asyncstore.torch.load of a torch.save file of GPU tensors honours map_location",
+    )
+
     # Timings: blocking time of a later save beside the plain device-to-host copy.
     timed = {f"t{i}": torch.randn(size * MiB // 4 // 16, device=devices[0]) for i in range(16)}
     await (await asyncstore.save(timed, tmp / "t.ckpt", compression=None))  # fills the pool
@@ -272,6 +300,77 @@ async def run(tmp: Path, size: int, check: Checks) -> None:
         f"({blocking / dcp_blocking:.2f}x)",
         flush=True,
     )
+    # Whole saves and loads beside torch.save and torch.load of the same state, same disk,
+    # alternating, twice (the first pays for first touches of fresh memory on both sides).
+    for attempt in (1, 2):
+        started = time.perf_counter()
+        await (await asyncstore.save(timed, tmp / "t.ckpt", compression=None))
+        saved = time.perf_counter() - started
+        started = time.perf_counter()
+        torch.save(timed, tmp / "t.pt")
+        torch_saved = time.perf_counter() - started
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        back = await asyncstore.load(tmp / "t.ckpt")
+        torch.cuda.synchronize()
+        loaded = time.perf_counter() - started
+        del back
+        started = time.perf_counter()
+        back = torch.load(tmp / "t.pt", map_location=devices[0], weights_only=True)
+        torch.cuda.synchronize()
+        torch_loaded = time.perf_counter() - started
+        del back
+        print(
+            f"round {attempt}, {size} MiB on {devices[0]} to local disk: save (call to commit) "
+            f"{saved:.2f} s, torch.save {torch_saved:.2f} s ({saved / torch_saved:.2f}x); "
+            f"load onto the GPU {loaded:.2f} s, torch.load {torch_loaded:.2f} s "
+            f"({loaded / torch_loaded:.2f}x)",
+            flush=True,
+        )
+
+
+def torchrun(tmp: Path, device: str, name: str, *args: str) -> tuple[int, str]:
+    """examples/train_ddp.py on one rank: its exit status and output."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"),
+        *(str(EXAMPLE), "--device", device, "--checkpoints", str(tmp / name)),
+        *("--data", str(tmp / "data"), *args),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stdout + done.stderr
+
+
+def ddp_recipe(tmp: Path, check: Checks, device: str = "cuda") -> None:
+    """The documented DDP job (on NCCL with ``device="cuda"``): killed in the middle of a
+    save, resumed, with every loss equal to that of a job never interrupted."""
+
+    def losses(output: str) -> dict[int, str]:
+        return {int(s): loss for s, loss in re.findall(r"^step (\d+) loss (\S+)$", output, re.M)}
+
+    started = time.perf_counter()
+    code, output = torchrun(tmp, device, "straight")
+    reference = losses(output)
+    check(code == 0 and len(reference) > 40, f"the DDP recipe trains on {device}")
+    if code != 0:
+        print(output[-4000:], flush=True)
+        return
+    code, killed = torchrun(tmp, device, "killed", "--kill-at", "20")
+    first = losses(killed)
+    check(code != 0 and max(first) == 20, "the DDP recipe's rank was killed at step 20")
+    code, output = torchrun(tmp, device, "killed")
+    found = re.findall(r"^resumed from step (\d+)$", output, re.M)
+    second = losses(output)
+    resumed = {**first, **second}
+    differ = [s for s in reference if resumed.get(s) != reference[s]]
+    check(
+        code == 0 and found in (["15"], ["20"]) and not differ,
+        f"the DDP recipe resumed from step {found} with every loss of a job never "
+        f"interrupted ({len(differ)} differ)",
+    )
+    if code != 0 or differ:
+        print(output[-4000:], flush=True)
+    print(f"the DDP recipe's three jobs took {time.perf_counter() - started:.1f} s", flush=True)
 
 
 def main() -> int:
@@ -284,6 +383,7 @@ def main() -> int:
     check = Checks()
     with tempfile.TemporaryDirectory(prefix="cuda-check-") as name:
         asyncio.run(run(Path(name), args.size, check))
+        ddp_recipe(Path(name), check)
     print("all checks passed" if not check.failed else f"FAILED: {check.failed}", flush=True)
     return 1 if check.failed else 0
 

@@ -4,6 +4,9 @@ exactly where its newest checkpoint left it.
 
     torchrun --standalone --nproc-per-node=2 examples/train_ddp.py --checkpoints /tmp/run1
 
+On GPUs, ``--device cuda`` trains on each rank's GPU (``LOCAL_RANK``) over NCCL, with pinned
+batches copied in the background.
+
 Every rank runs this script. The data (a synthetic regression set, made on first use) is
 read through a StreamingDataset with DataLoader workers; the model is a small MLP under DDP
 with AdamW; every ``--save-every`` steps the whole training state (model, every moment of
@@ -12,8 +15,8 @@ the optimizer, the dataset's position) is saved in the background by
 training goes on. On start, ``load_training_state`` resumes from the newest checkpoint
 that loads whole, on every rank.
 
-With ``torchrun --max-restarts=N``, a rank that dies (``--kill-at STEP`` kills rank 1 there,
-in the first attempt only, to try it) makes torchrun restart every rank, which resume.
+With ``torchrun --max-restarts=N``, a rank that dies (``--kill-at STEP`` kills the last rank
+there, in the first attempt only, to try it) makes torchrun restart every rank, which resume.
 Rank 0 prints ``step <n> loss <value>`` for every step: the losses after a resume are those
 of a run that was never interrupted.
 """
@@ -68,11 +71,16 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--save-every", type=int, default=5)
-    parser.add_argument("--kill-at", type=int, default=None, help="rank 1 dies at this step")
+    parser.add_argument("--kill-at", type=int, default=None, help="the last rank dies here")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")  # "nccl" on GPUs
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    device = torch.device(args.device, torch.cuda.current_device() if cuda else None)
     data = Path(args.data or f"{args.checkpoints.rstrip('/')}-data")
     if rank == 0:
         make_data(data, args.samples)
@@ -81,12 +89,14 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     net = torch.nn.Sequential(
         torch.nn.Linear(FEATURES, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
-    )
-    model = DistributedDataParallel(net)
+    ).to(device)
+    model = DistributedDataParallel(net)  # net: the model, on `device`
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = args.batch_size
     ds = StreamingDataset(data, shuffle=True, seed=0, batch_size=batch, decode=decode)
-    loader = DataLoader(ds, batch_size=batch, num_workers=args.workers, persistent_workers=True)
+    loader = DataLoader(
+        ds, batch_size=batch, num_workers=args.workers, persistent_workers=True, pin_memory=cuda
+    )
 
     with asyncstore.torch.Checkpointer(args.checkpoints, keep_last=3) as ckpt:
         # The dataset's position is the whole job's (every rank steps together), so it is
@@ -103,6 +113,7 @@ def main() -> None:
             if consumed == 0:
                 ds.set_epoch(epoch)  # a resumed epoch is current already, at its position
             for x, y in loader:
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 loss = torch.nn.functional.mse_loss(model(x), y)
                 optimizer.zero_grad()
                 loss.backward()  # DDP all-reduces the gradients on the default group
@@ -117,7 +128,7 @@ def main() -> None:
                     ckpt.save_training_state(step, model, optimizer, extra=position)
                 if (
                     step == args.kill_at
-                    and rank == 1
+                    and rank == dist.get_world_size() - 1
                     and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
                 ):
                     os.kill(os.getpid(), signal.SIGKILL)  # a lost node, mid-save
