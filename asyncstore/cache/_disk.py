@@ -87,6 +87,26 @@ _ABSENT_SECONDS = 1.0
 _BUSY_TIMEOUT_MS = 60_000
 
 
+class DiskRow:
+    """Where a warm disk-tier entry lies: what :class:`RowPrefetcher` hands on instead of
+    the entry's bytes, for a :class:`RowReader` on the consumer's thread to read.
+
+    Its length is the record's (the payload's and a few hundred bytes of header), which the
+    prefetcher's byte budget counts in place of the payload's.
+    """
+
+    __slots__ = ("key", "offset", "segment", "size")
+
+    def __init__(self, key: str, segment: int, offset: int, size: int) -> None:
+        self.key, self.segment, self.offset, self.size = key, segment, offset, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __repr__(self) -> str:
+        return f"DiskRow({self.key!r}, segment {self.segment}, {self.size} bytes at {self.offset})"
+
+
 class DiskTier:
     """A cache directory with a hard byte budget, safe to share between processes."""
 
@@ -238,6 +258,19 @@ class DiskTier:
             self._expected = {}  # each read asks on its own, and reports a damaged row
         return stop
 
+    def row_now(self, key: str) -> DiskRow | None:
+        """Where the entry for ``key`` lies (a row :meth:`expect` looked up, else the
+        index's), for a :class:`RowReader` on another thread; None if it has no entry, the
+        index is busy or damaged there, or this file system cannot read without waiting
+        (the regular read path handles each of those). Reads nothing."""
+        if not self._nowait:
+            return None
+        try:
+            found = self._expected.pop(key) if key in self._expected else self._locate_key(key)
+        except (sqlite3.Error, IntegrityError):
+            return None
+        return None if found is None else DiskRow(key, *found)
+
     # -- read --------------------------------------------------------------------------------
 
     def read(self, key: str) -> tuple[bytes, str | None] | None:
@@ -304,6 +337,18 @@ class DiskTier:
                 self._nowait = False  # this file system or kernel cannot: use threads
                 return WOULD_BLOCK
             raise
+
+    def accept(
+        self, segment: int, raw: bytes | bytearray | memoryview, key: str
+    ) -> tuple[bytes, str | None]:
+        """The payload and ETag of the record ``raw``, read for ``key`` from ``segment``,
+        checked (:func:`~asyncstore.cache._record.decode`), and the segment's access noted
+        (thread-safe).
+
+        Raises:
+            IntegrityError: the record is damaged, or of another source or key.
+        """
+        return self._accept(segment, raw, key)
 
     def _accept(
         self, segment: int, raw: bytes | bytearray | memoryview, key: str
@@ -609,3 +654,48 @@ def _forget_locks() -> None:
 
 
 after_fork_in_child(_forget_locks)
+
+
+class RowReader:
+    """Reads :class:`DiskRow` entries on one thread (a consumer's, not the event loop's),
+    through descriptors of its own, from the page cache only.
+
+    Each record is checked as :meth:`DiskTier.read` checks it, and its segment's access is
+    noted. A row that cannot be served so gives None, and the caller gets that key the
+    regular way, which reports and drops a damaged entry: its segment gone (evicted since
+    the row was found), a record that fails its checks or is of another key (read through
+    a descriptor from before the index was made anew: tried once more through a fresh
+    one), bytes not all in the page cache, a read that fails. :attr:`cold` counts the rows
+    not read for want of the page cache (or of reads that do not wait, on this file
+    system): the consumer then lets the loop read ahead again.
+    """
+
+    def __init__(self, disk: DiskTier) -> None:
+        self._disk = disk
+        self._reader = SegmentReader()
+        self.cold = 0
+
+    def read(self, row: DiskRow) -> bytes | None:
+        """The payload of ``row``'s entry, or None (see the class)."""
+        disk = self._disk
+        path = disk.segment_path(row.segment)
+        for _ in range(2):
+            try:
+                raw = self._reader.read(
+                    path, row.segment, row.offset, row.size, row.key, _RWF_NOWAIT
+                )
+                return None if raw is None else disk.accept(row.segment, raw, row.key)[0]
+            except BlockingIOError:
+                self.cold += 1
+                return None
+            except IntegrityError:
+                self._reader.forget()
+            except OSError as exc:
+                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    self.cold += 1  # no reads that do not wait here
+                return None
+        return None
+
+    def close(self) -> None:
+        """Close the descriptors kept."""
+        self._reader.forget()

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 from itertools import islice
 from operator import itemgetter
-from typing import Literal, Self, cast
+from typing import Any, Literal, Self, cast
 
 import msgspec
 
@@ -24,6 +24,7 @@ from .._config import DEFAULT_MAX_INFLIGHT, DEFAULT_PREFETCH_BYTES, PrefetchConf
 from .._resource import AsyncResource
 from ..errors import InvalidArgument
 from ..stores import Store, check_key
+from ._disk import DiskRow
 from ._stats import LatencyWindow
 from ._tiered import TieredCache
 
@@ -327,7 +328,7 @@ class Prefetcher(AsyncResource):
                     # Empty items (an average of 0) take no room: the window bounds them.
                     left = (self._max_bytes - self._ready_bytes) / max(self._avg_size, 1.0)
                     room = max(1, min(limit - len(window), int(left)))
-                run = self._warm_cache.get_ready(ahead, start, start + room)
+                run = self._ready_run(self._warm_cache, ahead, start, start + room)
                 if run:
                     size = sum(map(len, run))
                     window.extend(zip(ahead[start : start + len(run)], run, strict=True))
@@ -391,6 +392,10 @@ class Prefetcher(AsyncResource):
         if ready * 2 > self._depth and self._over >= 64:
             self._depth -= 1
             self._over = 0
+
+    def _ready_run(self, cache: TieredCache, keys: list[str], start: int, stop: int) -> list[bytes]:
+        # The leading run of keys[start:stop] that is local (see TieredCache.get_ready).
+        return cache.get_ready(keys, start, stop)
 
     async def take(self, most: int, *, least: int = 1) -> list[tuple[str, bytes]]:
         """Wait for the next ``least`` items, then add whatever else is ready, up to
@@ -474,3 +479,35 @@ class Prefetcher(AsyncResource):
             accuracy=consumed / self._fetched if self._fetched else 0.0,
             depth=self._depth,
         )
+
+
+class RowPrefetcher(Prefetcher):
+    """A :class:`Prefetcher` over a :class:`TieredCache` that hands on each warm disk-tier
+    hit as a :class:`~asyncstore.cache._disk.DiskRow` (where the entry lies, not its bytes)
+    while :attr:`rows` is true. Its items come through :meth:`take_rows`, for a consumer
+    that reads the rows on its own thread with :meth:`TieredCache.row_reader`, hands the
+    bytes back with :meth:`TieredCache.settle`, and gets a row it could not read with
+    :meth:`TieredCache.get` (StreamingDataset's consumer).
+
+    Read on the event loop, each warm disk hit made the consumer's thread and the loop's
+    hand the GIL to each other at every system call; read by the consumer, as a plain file
+    read would be, the loop only looks ahead.
+    """
+
+    def __init__(
+        self, source: TieredCache, keys: Iterable[str] | AsyncIterable[str], **options: Any
+    ) -> None:
+        super().__init__(source, keys, **options)
+        self.rows = True
+        """Whether disk hits come as rows; the consumer turns it off for good when the page
+        cache does not hold them (the loop then reads ahead again, through threads)."""
+
+    def _ready_run(self, cache: TieredCache, keys: list[str], start: int, stop: int) -> list[bytes]:
+        if not self.rows:
+            return cache.get_ready(keys, start, stop)
+        # Rows travel where bytes do: they count against max_bytes by their length.
+        return cast("list[bytes]", cache.get_ready_rows(keys, start, stop))
+
+    async def take_rows(self, most: int, *, least: int = 1) -> list[tuple[str, bytes | DiskRow]]:
+        """:meth:`take`, whose items may hold rows instead of bytes."""
+        return cast("list[tuple[str, bytes | DiskRow]]", await self.take(most, least=least))

@@ -21,7 +21,7 @@ import os
 import sqlite3
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
 from .._config import DEFAULT_BLOCK_BYTES, DEFAULT_TTL, CacheConfig, build
@@ -29,7 +29,7 @@ from .._dirs import check_disk_dir
 from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores import Store, check_key, check_key_list, check_range
-from ._disk import TOUCH_BATCH, DiskTier, WouldBlock
+from ._disk import TOUCH_BATCH, DiskRow, DiskTier, RowReader, WouldBlock
 from ._freshness import Freshness
 from ._memory import MemoryTier
 from ._plan import PlanTier
@@ -218,8 +218,43 @@ class TieredCache(AsyncResource):
         """The objects of the leading keys of ``keys[start:stop]`` that can be had without
         waiting, as :meth:`get_nowait` gives each, up to the first that cannot (or is not a
         valid key): a run of warm reads for a fraction of a call each (the prefetcher's)."""
+        return cast("list[bytes]", self._ready(keys, start, stop, rows=False))
+
+    def get_ready_rows(
+        self, keys: Sequence[str], start: int = 0, stop: int | None = None
+    ) -> list[bytes | DiskRow]:
+        """:meth:`get_ready`, but each disk-tier hit as a :class:`DiskRow` (found in the
+        index, not read), for a :class:`RowReader` on the consumer's thread to read. A row
+        is neither counted nor promoted to memory until :meth:`settle` hands its bytes back;
+        a row not read that way is got again the regular way (:meth:`get`)."""
+        return self._ready(keys, start, stop, rows=True)
+
+    def row_reader(self) -> RowReader | None:
+        """A :class:`RowReader` over the disk tier, for one consumer thread; None without a
+        disk tier."""
+        return None if self._disk is None else RowReader(self._disk)
+
+    def settle(self, read: Sequence[tuple[DiskRow, bytes]]) -> None:
+        """Count the rows of :meth:`get_ready_rows` that a :class:`RowReader` read, with
+        their bytes, as disk-tier hits, and promote the bytes to memory (on the loop)."""
+        if self._state != "open":
+            return
+        for row, data in read:
+            self._gets += 1
+            self._mem_stats.misses += 1
+            self._disk_stats.hits += 1
+            self._disk_stats.bytes_served += len(data)
+            self._promote(row.key, data)
+        disk = self._disk
+        if disk is not None and disk.touches_pending >= TOUCH_BATCH and not self._flushing:
+            self._flushing = True
+            self._background(self._flush_touches(disk), "flush access times")
+
+    def _ready(
+        self, keys: Sequence[str], start: int, stop: int | None, *, rows: bool
+    ) -> list[bytes | DiskRow]:
         stop = len(keys) if stop is None else min(stop, len(keys))
-        out: list[bytes] = []
+        out: list[bytes | DiskRow] = []
         if self._state != "open" or self._validate != "none":
             return out
         disk, ahead = self._disk, 0  # keys before ahead were looked up on disk
@@ -237,7 +272,7 @@ class TieredCache(AsyncResource):
             start += len(run)
             if start < stop and disk is not None and start >= ahead:  # one query a stretch
                 ahead = disk.expect(keys, start, min(stop, start + 64), self._memory)
-            value = self._ready_one(keys[start]) if start < stop else None
+            value = self._ready_one(keys[start], rows) if start < stop else None
             if value is None:
                 break
             out.append(value)
@@ -246,8 +281,9 @@ class TieredCache(AsyncResource):
             disk.expect(keys, 0, 0, ())  # the rows go stale once the loop moves on
         return out
 
-    def _ready_one(self, key: str) -> bytes | None:
-        # Not in memory: queued for the disk tier, or in the page cache; else None.
+    def _ready_one(self, key: str, rows: bool = False) -> bytes | DiskRow | None:
+        # Not in memory: queued for the disk tier, or in the page cache (``rows``: on the
+        # disk, its row); else None.
         try:
             key = check_key(key, self._store.url)
         except InvalidArgument:
@@ -258,7 +294,11 @@ class TieredCache(AsyncResource):
             self._mem_stats.hits += 1
             self._mem_stats.bytes_served += len(queued[1])
             return self._promote(key, queued[1])
-        data = None if key in self._inflight else self._disk_now(key)
+        if key in self._inflight:
+            return None
+        if rows:
+            return None if self._disk is None else self._disk.row_now(key)
+        data = self._disk_now(key)
         if data is not None:
             self._gets += 1
             self._mem_stats.misses += 1

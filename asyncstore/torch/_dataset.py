@@ -16,7 +16,7 @@ from itertools import starmap
 from operator import itemgetter, length_hint
 from pathlib import Path
 from types import FrameType
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, cast
 
 import torch.distributed as dist
 import xxhash
@@ -32,7 +32,7 @@ from .._config import DatasetConfig, build
 from .._dirs import check_disk_dir
 from .._loop import run_sync
 from .._resource import track
-from ..cache import CacheStats, Prefetcher, TieredCache
+from ..cache import CacheStats, DiskRow, RowPrefetcher, RowReader, TieredCache
 from ..errors import AsyncStoreError, InvalidArgument, InvalidKey, StoreClosed
 from ..metrics import WorkerFigures
 from ..stores import Store, check_key, open_store
@@ -601,10 +601,12 @@ class _Connection:
     async def start(
         self, keys: Iterable[str], lookahead: int | Literal["auto"], inflight: int
     ) -> _Session:
-        prefetcher = Prefetcher(self.cache, keys, lookahead=lookahead, max_inflight=inflight)
+        prefetcher = RowPrefetcher(self.cache, keys, lookahead=lookahead, max_inflight=inflight)
+        reader = self.cache.row_reader()
+        prefetcher.rows = reader is not None
         before = self.cache.stats()  # the iteration's cache figures are counted from here
         await prefetcher.__aenter__()
-        return _Session(self.cache, prefetcher, before)
+        return _Session(self.cache, prefetcher, reader, before)
 
     async def close(self) -> None:
         await self.cache.aclose()
@@ -631,11 +633,20 @@ class _Session:
     alternating pairs).
     """
 
-    def __init__(self, cache: TieredCache, prefetcher: Prefetcher, before: CacheStats) -> None:
+    def __init__(
+        self,
+        cache: TieredCache,
+        prefetcher: RowPrefetcher,
+        reader: RowReader | None,
+        before: CacheStats,
+    ) -> None:
         self.cache, self.prefetcher, self.before = cache, prefetcher, before
         self.samples = 0
         self._loop = asyncio.get_running_loop()
-        self._staged: deque[list[tuple[str, bytes]]] = deque()  # appended on the loop only
+        # Batches, whose warm disk hits are rows the consumer reads (appended on the loop).
+        self._staged: deque[list[tuple[str, bytes | DiskRow]]] = deque()
+        self._reader = reader  # the consumer's, for the rows
+        self._settling: deque[list[tuple[DiskRow, bytes]]] = deque()  # rows read, to count
         self._taking = asyncio.Lock()  # one take at a time: batches keep the plan's order
         self._tasks = TaskSet("a StreamingDataset iteration")
         self._most = _BATCH
@@ -649,29 +660,82 @@ class _Session:
         thread); ``[]`` at the end of the plan."""
         self._most = most
         try:
-            items = self._staged.popleft()
+            taken = self._staged.popleft()
         except IndexError:
-            items = run_sync(self._take(most, least))
+            taken = run_sync(self._take(most, least))
+            staged = False
         else:
-            if not self._waking:  # the loop stages the next batch meanwhile
-                self._waking = True
-                self._loop.call_soon_threadsafe(self._woken)
+            staged = True
+        items = self._read_rows(taken)
+        if (staged or self._settling) and not self._waking:
+            # The loop stages the next batch meanwhile, and counts the rows read.
+            self._waking = True
+            self._loop.call_soon_threadsafe(self._woken)
         self.samples += len(items)
         return items
+
+    def _read_rows(self, taken: list[tuple[str, bytes | DiskRow]]) -> list[tuple[str, bytes]]:
+        # On the consumer's thread: the bytes of the batch's rows, read here as a plain file
+        # read would be; a row that cannot be read so is got the regular way, on the loop.
+        reader = self._reader
+        if reader is None or not any(type(value) is DiskRow for _, value in taken):
+            return cast("list[tuple[str, bytes]]", taken)
+        items: list[tuple[str, bytes]] = []
+        read: list[tuple[DiskRow, bytes]] = []
+        missing: list[int] = []
+        for key, value in taken:
+            if not isinstance(value, DiskRow):
+                items.append((key, value))
+                continue
+            data = reader.read(value)
+            if data is None:
+                missing.append(len(items))
+            else:
+                read.append((value, data))
+            items.append((key, b"" if data is None else data))
+        if reader.cold:
+            # Not in the page cache: the loop reads ahead again, in threads, for the rest
+            # of the iteration.
+            self.prefetcher.rows = False
+        if read:
+            self._settling.append(read)
+        if missing:
+            got = run_sync(self._get_each([items[i][0] for i in missing]))
+            for i, data in zip(missing, got, strict=True):
+                items[i] = (items[i][0], data)
+        return items
+
+    async def _get_each(self, keys: list[str]) -> list[bytes]:
+        # At once: after a cold page cache, a window's worth of rows comes back unread. The
+        # first error stops the rest.
+        gets = [asyncio.ensure_future(self.cache.get(key)) for key in keys]
+        try:
+            return list(await asyncio.gather(*gets))
+        except BaseException:
+            for get in gets:
+                get.cancel()
+            await asyncio.gather(*gets, return_exceptions=True)
+            raise
+
+    def _settle(self) -> None:
+        # On the loop: count the rows the consumer read, and promote their bytes to memory.
+        while self._settling:
+            self.cache.settle(self._settling.popleft())
 
     def _woken(self) -> None:
         # On the loop: the consumer took a batch. A wake-up it sends from now on is a new one.
         self._waking = False
+        self._settle()
         self._stage()
 
-    async def _take(self, most: int, least: int) -> list[tuple[str, bytes]]:
+    async def _take(self, most: int, least: int) -> list[tuple[str, bytes | DiskRow]]:
         async with self._taking:
             if self._error is not None:
                 raise self._error
             # A batch staged while this call waited for the lock comes first.
             items = self._staged.popleft() if self._staged else None
             if items is None:
-                items = await self.prefetcher.take(most, least=least)
+                items = await self.prefetcher.take_rows(most, least=least)
         self._stage()
         return items
 
@@ -689,7 +753,7 @@ class _Session:
                 if self.prefetcher.closed:
                     return
                 try:
-                    items = await self.prefetcher.take(self._most, least=0)
+                    items = await self.prefetcher.take_rows(self._most, least=0)
                 except Exception as exc:  # raised to the consumer by its next trip
                     self._error = exc
                     return
@@ -701,6 +765,9 @@ class _Session:
     async def close(self) -> DatasetStats:
         await self._tasks.aclose()
         self._staged.clear()
+        self._settle()
+        if self._reader is not None:
+            self._reader.close()
         await self.prefetcher.aclose()
         # Another worker may read in the next epoch what this one fetched at the end of
         # this one: put it on the shared disk tier before the epoch counts as done.

@@ -1,0 +1,165 @@
+"""Warm disk-tier hits read on the consumer's thread: ``TieredCache.get_ready_rows`` hands
+on where each entry lies, a ``RowReader`` reads and checks it on another thread, and
+``settle`` counts it and promotes its bytes; a row that cannot be read so is got the regular
+way, which drops a damaged entry and fetches it again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+
+from asyncstore.cache import DiskRow, RowPrefetcher, RowReader, TieredCache
+
+from .conftest import CountingStore, KiB
+
+pytestmark = pytest.mark.anyio
+
+KEYS = [f"obj/{i:03d}" for i in range(6)]
+
+
+def value(i: int) -> bytes:
+    return bytes([i]) * (10 * KiB)  # what CountingStore serves for obj/00i
+
+
+async def warm(source: CountingStore, directory: Path) -> None:
+    """Put KEYS in the disk tier of ``directory``, through a cache that is then closed."""
+    async with TieredCache(
+        source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20
+    ) as cache:
+        for key in KEYS:
+            await cache.get(key)
+        await cache.flush()
+
+
+def cold_cache(source: CountingStore, directory: Path) -> TieredCache:
+    """A new cache over ``directory``: nothing in memory, KEYS on disk."""
+    return TieredCache(source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20)
+
+
+def rows_of(cache: TieredCache) -> tuple[list[DiskRow], RowReader]:
+    """Every key's row (none in memory), and a reader for them."""
+    rows = cache.get_ready_rows(KEYS)
+    assert all(isinstance(row, DiskRow) for row in rows)
+    reader = cache.row_reader()
+    assert reader is not None
+    return [row for row in rows if isinstance(row, DiskRow)], reader
+
+
+async def test_rows_read_elsewhere_are_counted_and_promoted_once_settled(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        await cache.get(KEYS[0])  # in memory: bytes, not a row
+        source.gets.clear()
+        before = cache.stats()
+        got = cache.get_ready_rows(KEYS)
+        assert got[0] == value(0)
+        rows = got[1:]
+        assert all(isinstance(row, DiskRow) for row in rows)
+        assert [row.key for row in rows] == KEYS[1:]  # type: ignore[union-attr]
+        assert all(len(row) > 10 * KiB for row in rows)  # the record: payload and header
+        # Neither counted nor promoted until settled.
+        assert cache.stats().disk.hits == before.disk.hits
+        assert cache.get_ready(KEYS, 1, 2) == [value(1)]  # the regular way reads it
+        assert cache.stats().disk.hits == before.disk.hits + 1
+
+        reader = cache.row_reader()
+        assert reader is not None
+
+        def read_all() -> list[bytes | None]:
+            return [reader.read(row) for row in rows]  # type: ignore[arg-type]
+
+        read = await anyio.to_thread.run_sync(read_all)  # another thread, as a consumer's
+        assert read == [value(i) for i in range(1, 6)]
+        assert reader.cold == 0
+        cache.settle([(row, data) for row, data in zip(rows, read, strict=True)])  # type: ignore[misc]
+        stats = cache.stats()
+        assert stats.disk.hits == before.disk.hits + 1 + 5
+        assert stats.disk.bytes_served - before.disk.bytes_served == 6 * 10 * KiB
+        # Promoted: the whole run is now in memory, as bytes.
+        hits = stats.memory.hits
+        assert cache.get_ready_rows(KEYS) == [value(i) for i in range(6)]
+        assert cache.stats().memory.hits == hits + 6
+        assert source.gets == []  # never the store
+        reader.close()
+
+
+async def test_a_row_whose_segment_is_gone_is_not_read(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        rows, reader = rows_of(cache)
+        segments = list((tmp_path / "segments").glob("*.seg"))
+        assert segments
+        for segment in segments:
+            segment.unlink()  # evicted since the rows were found
+        assert [reader.read(row) for row in rows] == [None] * 6
+        assert reader.cold == 0
+        reader.close()
+
+
+async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        rows, reader = rows_of(cache)
+        row = rows[2]
+        path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
+        with path.open("r+b") as f:  # one payload byte flipped
+            f.seek(row.offset + row.size - 1)
+            last = f.read(1)
+            f.seek(row.offset + row.size - 1)
+            f.write(bytes([last[0] ^ 0xFF]))
+        assert reader.read(row) is None
+        assert reader.read(rows[3]) == value(3)  # its neighbours read as before
+        source.gets.clear()
+        assert await cache.get(KEYS[2]) == value(2)
+        assert [key for key, _, _ in source.gets] == [KEYS[2]]  # fetched again
+        assert cache.stats().disk.corrupt == 1
+        reader.close()
+
+
+async def test_a_row_not_in_the_page_cache_is_counted_cold(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await warm(source, tmp_path)
+    real = os.preadv
+
+    def cold(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
+        if flags & os.RWF_NOWAIT:
+            raise BlockingIOError("not in the page cache")
+        return real(fd, buffers, offset, flags)
+
+    async with cold_cache(source, tmp_path) as cache:
+        rows, reader = rows_of(cache)
+        monkeypatch.setattr(os, "preadv", cold)
+        assert reader.read(rows[0]) is None
+        assert reader.cold == 1
+        monkeypatch.setattr(os, "preadv", real)
+        assert reader.read(rows[0]) == value(0)
+        reader.close()
+
+
+async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with (
+        cold_cache(source, tmp_path) as cache,
+        RowPrefetcher(cache, KEYS, lookahead=2) as prefetcher,
+    ):
+        first = await prefetcher.take_rows(2, least=2)
+        assert [key for key, _ in first] == KEYS[:2]
+        assert all(isinstance(item, DiskRow) for _, item in first)
+        prefetcher.rows = False
+        rest = await prefetcher.take_rows(4, least=4)
+        # Rows already in its window may still come; every later one is bytes.
+        assert [key for key, _ in rest] == KEYS[2:]
+        assert isinstance(rest[-1][1], bytes)
+        assert rest[-1][1] == value(5)
