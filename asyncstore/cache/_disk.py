@@ -95,10 +95,13 @@ class DiskRow:
     prefetcher's byte budget counts in place of the payload's.
     """
 
-    __slots__ = ("key", "offset", "segment", "size")
+    __slots__ = ("generation", "key", "offset", "segment", "size")
 
     def __init__(self, key: str, segment: int, offset: int, size: int) -> None:
         self.key, self.segment, self.offset, self.size = key, segment, offset, size
+        # What the cache knew of the key when the row was found (TieredCache.settle keeps
+        # the bytes only if nothing forgot the key since).
+        self.generation: object = None
 
     def __len__(self) -> int:
         return self.size
@@ -646,11 +649,14 @@ class DiskTier:
 
 
 _OPEN_TIERS: weakref.WeakSet[DiskTier] = weakref.WeakSet()
+_OPEN_READERS: weakref.WeakSet[RowReader] = weakref.WeakSet()
 
 
 def _forget_locks() -> None:
     for tier in list(_OPEN_TIERS):
         tier._forget_lock()
+    for reader in list(_OPEN_READERS):
+        reader.close()  # a child holding them would keep evicted segments' space
 
 
 after_fork_in_child(_forget_locks)
@@ -667,16 +673,26 @@ class RowReader:
     a descriptor from before the index was made anew: tried once more through a fresh
     one), bytes not all in the page cache, a read that fails. :attr:`cold` counts the rows
     not read for want of the page cache (or of reads that do not wait, on this file
-    system): the consumer then lets the loop read ahead again.
+    system); :attr:`missed` counts every row not read, for whatever reason. Once rows are
+    missed, the consumer lets the loop read ahead again: a row not read is fetched the
+    regular way while the consumer waits, where the loop would have read it ahead.
     """
 
     def __init__(self, disk: DiskTier) -> None:
         self._disk = disk
         self._reader = SegmentReader()
         self.cold = 0
+        self.missed = 0
+        _OPEN_READERS.add(self)
 
     def read(self, row: DiskRow) -> bytes | None:
         """The payload of ``row``'s entry, or None (see the class)."""
+        data = self._read(row)
+        if data is None:
+            self.missed += 1
+        return data
+
+    def _read(self, row: DiskRow) -> bytes | None:
         disk = self._disk
         path = disk.segment_path(row.segment)
         for _ in range(2):

@@ -28,7 +28,7 @@ from ._disk import DiskRow
 from ._stats import LatencyWindow
 from ._tiered import TieredCache
 
-__all__ = ["Prefetcher", "PrefetchStats"]
+__all__ = ["Prefetcher", "PrefetchStats", "RowPrefetcher"]
 
 AUTO_START = 8
 """Initial depth with ``lookahead="auto"``: a few round trips' worth of small objects."""
@@ -510,4 +510,16 @@ class RowPrefetcher(Prefetcher):
 
     async def take_rows(self, most: int, *, least: int = 1) -> list[tuple[str, bytes | DiskRow]]:
         """:meth:`take`, whose items may hold rows instead of bytes."""
-        return cast("list[tuple[str, bytes | DiskRow]]", await self.take(most, least=least))
+        items = await Prefetcher.take(self, most, least=least)
+        return cast("list[tuple[str, bytes | DiskRow]]", items)
+
+    async def take(self, most: int, *, least: int = 1) -> list[tuple[str, bytes]]:
+        """Refused: its items may be rows, which only :meth:`take_rows` gives.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a RowPrefetcher's items may be rows: take them with take_rows()")
+
+    async def __anext__(self) -> tuple[str, bytes]:
+        raise TypeError("a RowPrefetcher's items may be rows: take them with take_rows()")

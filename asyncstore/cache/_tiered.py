@@ -130,6 +130,7 @@ class TieredCache(AsyncResource):
         self._tasks = TaskSet(f"the cache over {store.url}")
         self._flushing = False
         self._generations: dict[str, int] = {}  # bumped by invalidate()
+        self._clears = 0  # bumped by clear()
         self._gets = 0
         self._mem_stats = TierStats()
         self._disk_stats = TierStats(enabled=disk_dir is not None)
@@ -236,7 +237,9 @@ class TieredCache(AsyncResource):
 
     def settle(self, read: Sequence[tuple[DiskRow, bytes]]) -> None:
         """Count the rows of :meth:`get_ready_rows` that a :class:`RowReader` read, with
-        their bytes, as disk-tier hits, and promote the bytes to memory (on the loop)."""
+        their bytes, as disk-tier hits, and promote the bytes to memory (on the loop), but
+        for keys that :meth:`invalidate` or :meth:`clear` forgot since their rows were
+        found."""
         if self._state != "open":
             return
         for row, data in read:
@@ -244,7 +247,8 @@ class TieredCache(AsyncResource):
             self._mem_stats.misses += 1
             self._disk_stats.hits += 1
             self._disk_stats.bytes_served += len(data)
-            self._promote(row.key, data)
+            if row.generation == (self._clears, self._generations.get(row.key, 0)):
+                self._promote(row.key, data)
         disk = self._disk
         if disk is not None and disk.touches_pending >= TOUCH_BATCH and not self._flushing:
             self._flushing = True
@@ -297,7 +301,10 @@ class TieredCache(AsyncResource):
         if key in self._inflight:
             return None
         if rows:
-            return None if self._disk is None else self._disk.row_now(key)
+            row = None if self._disk is None else self._disk.row_now(key)
+            if row is not None:
+                row.generation = (self._clears, self._generations.get(key, 0))
+            return row
         data = self._disk_now(key)
         if data is not None:
             self._gets += 1
@@ -606,6 +613,7 @@ class TieredCache(AsyncResource):
 
     async def clear(self) -> None:
         """Empty the memory and disk tiers (the disk tier for every process sharing it)."""
+        self._clears += 1  # rows found before must not put their bytes back
         self._memory.clear()
         self._freshness.clear()
         self._writes.clear()

@@ -647,6 +647,7 @@ class _Session:
         self._staged: deque[list[tuple[str, bytes | DiskRow]]] = deque()
         self._reader = reader  # the consumer's, for the rows
         self._settling: deque[list[tuple[DiskRow, bytes]]] = deque()  # rows read, to count
+        self._failed: BaseException | None = None  # raised by the consumer's next call
         self._taking = asyncio.Lock()  # one take at a time: batches keep the plan's order
         self._tasks = TaskSet("a StreamingDataset iteration")
         self._most = _BATCH
@@ -659,6 +660,9 @@ class _Session:
         """The next items, at least ``least`` unless the plan ends (from the consumer's
         thread); ``[]`` at the end of the plan."""
         self._most = most
+        if self._failed is not None:  # a row's regular read failed: after what came before it
+            failed, self._failed = self._failed, None
+            raise failed
         try:
             taken = self._staged.popleft()
         except IndexError:
@@ -693,29 +697,35 @@ class _Session:
             else:
                 read.append((value, data))
             items.append((key, b"" if data is None else data))
-        if reader.cold:
-            # Not in the page cache: the loop reads ahead again, in threads, for the rest
-            # of the iteration.
-            self.prefetcher.rows = False
         if read:
             self._settling.append(read)
         if missing:
+            # Not in the page cache, evicted since, damaged: got the regular way while the
+            # consumer waits. The loop reads ahead itself again for the rest of the
+            # iteration, as it would have read these.
+            self.prefetcher.rows = False
             got = run_sync(self._get_each([items[i][0] for i in missing]))
-            for i, data in zip(missing, got, strict=True):
-                items[i] = (items[i][0], data)
+            for i, result in zip(missing, got, strict=True):
+                if isinstance(result, BaseException):
+                    # As the prefetcher does: what came before the failed key first (if
+                    # anything: [] would end the plan), its error at the next call.
+                    if i == 0:
+                        raise result
+                    self._failed = result
+                    return items[:i]
+                items[i] = (items[i][0], result)
         return items
 
-    async def _get_each(self, keys: list[str]) -> list[bytes]:
-        # At once: after a cold page cache, a window's worth of rows comes back unread. The
-        # first error stops the rest.
-        gets = [asyncio.ensure_future(self.cache.get(key)) for key in keys]
-        try:
-            return list(await asyncio.gather(*gets))
-        except BaseException:
-            for get in gets:
-                get.cancel()
-            await asyncio.gather(*gets, return_exceptions=True)
-            raise
+    async def _get_each(self, keys: list[str]) -> list[bytes | BaseException]:
+        # A window's worth of rows may come back unread (a cold page cache): read as many
+        # at once as the prefetcher fetches, each result or error in the keys' order.
+        limit = asyncio.Semaphore(self.prefetcher.config.max_inflight)
+
+        async def get(key: str) -> bytes:
+            async with limit:
+                return await self.cache.get(key)
+
+        return await asyncio.gather(*map(get, keys), return_exceptions=True)
 
     def _settle(self) -> None:
         # On the loop: count the rows the consumer read, and promote their bytes to memory.

@@ -163,3 +163,41 @@ async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
         assert [key for key, _ in rest] == KEYS[2:]
         assert isinstance(rest[-1][1], bytes)
         assert rest[-1][1] == value(5)
+
+
+@pytest.mark.parametrize("forget", ["invalidate", "clear"])
+async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
+    source: CountingStore, tmp_path: Path, forget: str
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        rows, reader = rows_of(cache)
+        old = reader.read(rows[1])  # read on the consumer's thread; then, on the loop:
+        assert old == value(1)
+        await source.put(KEYS[1], b"new")
+        if forget == "invalidate":
+            await cache.invalidate(KEYS[1])
+        else:
+            await cache.clear()
+        cache.settle([(rows[1], old)])
+        source.gets.clear()
+        assert await cache.get(KEYS[1]) == b"new"  # not the old bytes, kept after all
+        assert [key for key, _, _ in source.gets] == [KEYS[1]]
+        reader.close()
+
+
+async def test_a_forked_child_closes_the_readers_descriptors(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        rows, reader = rows_of(cache)
+        assert reader.read(rows[0]) == value(0)
+        assert reader._reader._open  # a segment's descriptor kept
+        pid = os.fork()
+        if pid == 0:  # the child: an evicted segment's space must not stay held here
+            os._exit(0 if not reader._reader._open else 1)
+        _, status = await anyio.to_thread.run_sync(os.waitpid, pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert reader._reader._open  # the parent's are untouched
+        reader.close()

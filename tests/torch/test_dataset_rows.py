@@ -5,11 +5,13 @@ the page cache does not hold the tier, the loop reading ahead again."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.utils.data import DataLoader
 
-from asyncstore.cache import DiskRow, RowReader
+from asyncstore import NotFound
+from asyncstore.cache import DiskRow, RowReader, TieredCache
 from asyncstore.torch import StreamingDataset
 
 from ..helpers import SAMPLE_KEYS, key_of
@@ -109,3 +111,40 @@ def test_workers_read_their_disk_hits_and_the_epoch_counts_them_once(
     assert stats.store_fetches == 0
     assert stats.memory_hits + stats.disk_hits == len(SAMPLE_KEYS)
     assert stats.disk_hits > len(SAMPLE_KEYS) // 2
+
+
+def test_a_row_whose_regular_read_fails_comes_after_the_samples_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(200):
+        (data / f"{i:04d}.bin").write_bytes(f"{i:04d}.bin".encode())
+    ds = dataset(data, tmp_path / "cache")
+    keys(ds)
+    failing: list[str] = []
+    real_read, real_get = RowReader.read, TieredCache.get
+
+    def read(reader: RowReader, row: DiskRow) -> bytes | None:
+        if not failing and len(failing_after) > 20:  # the 22nd row: not read, and its
+            failing.append(row.key)  # regular read fails
+            return None
+        failing_after.append(row.key)
+        return real_read(reader, row)
+
+    async def get(cache: TieredCache, key: str, *args: Any) -> bytes:
+        if key in failing:
+            raise NotFound(f"{key} is gone")
+        return await real_get(cache, key, *args)
+
+    failing_after: list[str] = []
+    monkeypatch.setattr(RowReader, "read", read)
+    monkeypatch.setattr(TieredCache, "get", get)
+    ds.set_epoch(1)
+    got: list[str] = []
+    with pytest.raises(NotFound, match="is gone"):
+        for key in ds:
+            got.append(key)
+    plan = ds.plan()
+    assert failing
+    assert got == plan[: plan.index(failing[0])]  # in order, up to the failed one
