@@ -33,6 +33,14 @@ def dataset(data: Path, cache: Path) -> StreamingDataset[str]:
     )
 
 
+def samples(root: Path, count: int) -> Path:
+    """``count`` samples in ``root``, each sample's bytes its key (as ``key_of`` checks)."""
+    root.mkdir()
+    for i in range(count):
+        (root / f"{i:04d}.bin").write_bytes(f"{i:04d}.bin".encode())
+    return root
+
+
 def keys(ds: StreamingDataset[str], workers: int = 0) -> list[str]:
     loader = DataLoader(
         ds,
@@ -82,11 +90,7 @@ def test_a_cold_page_cache_hands_the_reads_back_to_the_loop(
 ) -> None:
     # Several times the samples the prefetcher's window takes at the start of an epoch
     # (some hundreds, as rows, before the consumer reads the first).
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(1500):
-        (data / f"{i:04d}.bin").write_bytes(f"{i:04d}.bin".encode())  # its bytes: its key
-    ds = dataset(data, tmp_path / "cache")
+    ds = dataset(samples(tmp_path / "data", 1500), tmp_path / "cache")
     keys(ds)
     reads = Reads(monkeypatch, cold=True)
     ds.set_epoch(1)
@@ -116,11 +120,7 @@ def test_workers_read_their_disk_hits_and_the_epoch_counts_them_once(
 def test_a_row_whose_regular_read_fails_comes_after_the_samples_before_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for i in range(200):
-        (data / f"{i:04d}.bin").write_bytes(f"{i:04d}.bin".encode())
-    ds = dataset(data, tmp_path / "cache")
+    ds = dataset(samples(tmp_path / "data", 200), tmp_path / "cache")
     keys(ds)
     failing: list[str] = []
     real_read, real_get = RowReader.read, TieredCache.get
