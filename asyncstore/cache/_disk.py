@@ -300,7 +300,7 @@ class DiskTier:
                 raw = os.pread(fd, size, offset)
             finally:
                 os.close(fd)
-            return self._accept(segment, raw, key)
+            return self.accept(segment, raw, key)
         except IntegrityError:
             self._remove(name)
             raise
@@ -326,13 +326,13 @@ class DiskTier:
         try:
             try:
                 raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
-                return None if raw is None else self._accept(segment, raw, key)
+                return None if raw is None else self.accept(segment, raw, key)
             except IntegrityError:
                 # Perhaps read through a descriptor kept from before the index was made
                 # anew (see SegmentReader): once more through a fresh one.
                 self._reader.forget()
                 raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
-                return None if raw is None else self._accept(segment, raw, key)
+                return None if raw is None else self.accept(segment, raw, key)
         except BlockingIOError:
             return WOULD_BLOCK  # not all of it is in the page cache
         except OSError as exc:
@@ -351,11 +351,6 @@ class DiskTier:
         Raises:
             IntegrityError: the record is damaged, or of another source or key.
         """
-        return self._accept(segment, raw, key)
-
-    def _accept(
-        self, segment: int, raw: bytes | bytearray | memoryview, key: str
-    ) -> tuple[bytes, str | None]:
         payload, etag = decode(raw, self._identity_bytes, key)
         with self._touch_lock:
             self._touched[segment] = time.time()
@@ -673,26 +668,17 @@ class RowReader:
     a descriptor from before the index was made anew: tried once more through a fresh
     one), bytes not all in the page cache, a read that fails. :attr:`cold` counts the rows
     not read for want of the page cache (or of reads that do not wait, on this file
-    system); :attr:`missed` counts every row not read, for whatever reason. Once rows are
-    missed, the consumer lets the loop read ahead again: a row not read is fetched the
-    regular way while the consumer waits, where the loop would have read it ahead.
+    system).
     """
 
     def __init__(self, disk: DiskTier) -> None:
         self._disk = disk
         self._reader = SegmentReader()
         self.cold = 0
-        self.missed = 0
         _OPEN_READERS.add(self)
 
     def read(self, row: DiskRow) -> bytes | None:
         """The payload of ``row``'s entry, or None (see the class)."""
-        data = self._read(row)
-        if data is None:
-            self.missed += 1
-        return data
-
-    def _read(self, row: DiskRow) -> bytes | None:
         disk = self._disk
         path = disk.segment_path(row.segment)
         for _ in range(2):

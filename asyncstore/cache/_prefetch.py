@@ -499,8 +499,8 @@ class RowPrefetcher(Prefetcher):
     ) -> None:
         super().__init__(source, keys, **options)
         self.rows = True
-        """Whether disk hits come as rows; the consumer turns it off for good when the page
-        cache does not hold them (the loop then reads ahead again, through threads)."""
+        """Whether disk hits come as rows; the consumer turns it off once a row could not be
+        read (the loop then reads ahead again, through threads)."""
 
     def _ready_run(self, cache: TieredCache, keys: list[str], start: int, stop: int) -> list[bytes]:
         if not self.rows:

@@ -249,10 +249,8 @@ class TieredCache(AsyncResource):
             self._disk_stats.bytes_served += len(data)
             if row.generation == (self._clears, self._generations.get(row.key, 0)):
                 self._promote(row.key, data)
-        disk = self._disk
-        if disk is not None and disk.touches_pending >= TOUCH_BATCH and not self._flushing:
-            self._flushing = True
-            self._background(self._flush_touches(disk), "flush access times")
+        if self._disk is not None:
+            self._flush_touches_soon(self._disk)
 
     def _ready(
         self, keys: Sequence[str], start: int, stop: int | None, *, rows: bool
@@ -480,10 +478,14 @@ class TieredCache(AsyncResource):
         self, disk: DiskTier, cache_key: str
     ) -> tuple[bytes, str | None] | WouldBlock | None:
         hit = disk.read_cached(cache_key)
+        self._flush_touches_soon(disk)
+        return hit
+
+    def _flush_touches_soon(self, disk: DiskTier) -> None:
+        # Reads' access times go to the index in batches, in the background.
         if disk.touches_pending >= TOUCH_BATCH and not self._flushing:
             self._flushing = True
             self._background(self._flush_touches(disk), "flush access times")
-        return hit
 
     def _promote(self, cache_key: str, data: bytes) -> bytes:
         if not self._memory.put(cache_key, data):

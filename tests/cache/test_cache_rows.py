@@ -5,7 +5,9 @@ way, which drops a damaged entry and fetches it again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -39,13 +41,23 @@ def cold_cache(source: CountingStore, directory: Path) -> TieredCache:
     return TieredCache(source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20)
 
 
-def rows_of(cache: TieredCache) -> tuple[list[DiskRow], RowReader]:
-    """Every key's row (none in memory), and a reader for them."""
-    rows = cache.get_ready_rows(KEYS)
-    assert all(isinstance(row, DiskRow) for row in rows)
-    reader = cache.row_reader()
-    assert reader is not None
-    return [row for row in rows if isinstance(row, DiskRow)], reader
+@contextlib.asynccontextmanager
+async def warm_rows(
+    source: CountingStore, directory: Path
+) -> AsyncIterator[tuple[TieredCache, list[DiskRow], RowReader]]:
+    """KEYS warmed into the disk tier of ``directory``; a new cache over it, every key's
+    row (none in memory), and a reader for them, closed afterwards."""
+    await warm(source, directory)
+    async with cold_cache(source, directory) as cache:
+        found = cache.get_ready_rows(KEYS)
+        rows = [row for row in found if isinstance(row, DiskRow)]
+        assert len(rows) == len(KEYS)
+        reader = cache.row_reader()
+        assert reader is not None
+        try:
+            yield cache, rows, reader
+        finally:
+            reader.close()
 
 
 async def test_rows_read_elsewhere_are_counted_and_promoted_once_settled(
@@ -91,24 +103,19 @@ async def test_rows_read_elsewhere_are_counted_and_promoted_once_settled(
 async def test_a_row_whose_segment_is_gone_is_not_read(
     source: CountingStore, tmp_path: Path
 ) -> None:
-    await warm(source, tmp_path)
-    async with cold_cache(source, tmp_path) as cache:
-        rows, reader = rows_of(cache)
+    async with warm_rows(source, tmp_path) as (_, rows, reader):
         segments = list((tmp_path / "segments").glob("*.seg"))
         assert segments
         for segment in segments:
             segment.unlink()  # evicted since the rows were found
         assert [reader.read(row) for row in rows] == [None] * 6
         assert reader.cold == 0
-        reader.close()
 
 
 async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
     source: CountingStore, tmp_path: Path
 ) -> None:
-    await warm(source, tmp_path)
-    async with cold_cache(source, tmp_path) as cache:
-        rows, reader = rows_of(cache)
+    async with warm_rows(source, tmp_path) as (cache, rows, reader):
         row = rows[2]
         path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
         with path.open("r+b") as f:  # one payload byte flipped
@@ -122,13 +129,11 @@ async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
         assert await cache.get(KEYS[2]) == value(2)
         assert [key for key, _, _ in source.gets] == [KEYS[2]]  # fetched again
         assert cache.stats().disk.corrupt == 1
-        reader.close()
 
 
 async def test_a_row_not_in_the_page_cache_is_counted_cold(
     source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    await warm(source, tmp_path)
     real = os.preadv
 
     def cold(fd: int, buffers: list[memoryview], offset: int, flags: int = 0) -> int:
@@ -136,14 +141,12 @@ async def test_a_row_not_in_the_page_cache_is_counted_cold(
             raise BlockingIOError("not in the page cache")
         return real(fd, buffers, offset, flags)
 
-    async with cold_cache(source, tmp_path) as cache:
-        rows, reader = rows_of(cache)
+    async with warm_rows(source, tmp_path) as (_, rows, reader):
         monkeypatch.setattr(os, "preadv", cold)
         assert reader.read(rows[0]) is None
         assert reader.cold == 1
         monkeypatch.setattr(os, "preadv", real)
         assert reader.read(rows[0]) == value(0)
-        reader.close()
 
 
 async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
@@ -169,9 +172,7 @@ async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
 async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
     source: CountingStore, tmp_path: Path, forget: str
 ) -> None:
-    await warm(source, tmp_path)
-    async with cold_cache(source, tmp_path) as cache:
-        rows, reader = rows_of(cache)
+    async with warm_rows(source, tmp_path) as (cache, rows, reader):
         old = reader.read(rows[1])  # read on the consumer's thread; then, on the loop:
         assert old == value(1)
         await source.put(KEYS[1], b"new")
@@ -183,15 +184,12 @@ async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
         source.gets.clear()
         assert await cache.get(KEYS[1]) == b"new"  # not the old bytes, kept after all
         assert [key for key, _, _ in source.gets] == [KEYS[1]]
-        reader.close()
 
 
 async def test_a_forked_child_closes_the_readers_descriptors(
     source: CountingStore, tmp_path: Path
 ) -> None:
-    await warm(source, tmp_path)
-    async with cold_cache(source, tmp_path) as cache:
-        rows, reader = rows_of(cache)
+    async with warm_rows(source, tmp_path) as (_, rows, reader):
         assert reader.read(rows[0]) == value(0)
         assert reader._reader._open  # a segment's descriptor kept
         pid = os.fork()
@@ -200,4 +198,3 @@ async def test_a_forked_child_closes_the_readers_descriptors(
         _, status = await anyio.to_thread.run_sync(os.waitpid, pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert reader._reader._open  # the parent's are untouched
-        reader.close()
