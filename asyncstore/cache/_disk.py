@@ -36,7 +36,7 @@ holds the lock, so this needs no guesswork about who is alive.
 
 Hits do not write the index on the read path: they look their entry up (one query on a
 connection of their own, never waiting for a writer), and the segments' last-access times
-are batched and written with the next insert or when ``TOUCH_BATCH`` reads are pending.
+are batched and written with the next insert, or at most every ``TOUCH_SECONDS``.
 Eviction is least recently used at the granularity of segments: a segment's last access is
 that of its most recently read entry.
 
@@ -67,7 +67,13 @@ from ._index import INDEX_VERSION
 from ._record import HEADER, decode, encode_head
 from ._segments import SEGMENT_MAX, SEGMENTS, SegmentReader, open_record
 
-TOUCH_BATCH = 256
+TOUCH_SECONDS = 1.0
+"""Reads' access times go to the index at most this often, a process (and with every
+insert). Each write to the index makes the next query of every other connection start from
+an empty page cache (SQLite drops it when the log changed): written every 256 reads, as
+before, the access times made a warm epoch's lookups on the event loop several times as
+costly. Eviction needs no finer clock: it takes whole segments, a sixteenth of the budget
+each."""
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
@@ -83,6 +89,10 @@ RECLAIM_INTERVAL = 1.0
 past a segment's recorded end, and segment files the index does not know."""
 # How long expect() takes a key it found without an entry as still without one.
 _ABSENT_SECONDS = 1.0
+# Rows expect() keeps at most, a process: 73 bytes each besides the keys, which the plan
+# holds anyway (measured: 37 MiB for 2**19). Keys past it are asked for at every stretch.
+_KEPT_ROWS = 1 << 19
+_U64 = (1 << 64) - 1
 # Index lock waits: other processes hold it only for one batch's transaction.
 _BUSY_TIMEOUT_MS = 60_000
 
@@ -134,10 +144,15 @@ class DiskTier:
         self._touch_lock = threading.Lock()
         self._touched: dict[int, float] = {}  # segment -> last read
         self._touches = 0  # reads since the last flush
+        self._touches_due = 0.0  # when the next flush is due (time.monotonic())
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._reader = SegmentReader()  # read_cached's: on the event loop only
         self._expected: dict[str, tuple[int, int, int] | None] = {}  # expect()'s, by key
+        # Rows expect() found, by key, packed as segment << 128 | offset << 64 | size: true
+        # while the index's count of removals is _kept_as_of (None: keep none).
+        self._kept: dict[str, int] = {}
+        self._kept_as_of: tuple[int, int] | None = None
         # Keys expect() found without an entry lately: not asked again for a while (a cold
         # epoch's prefetcher looks ahead over the same keys at every fill: 16% of its CPU).
         self._absent: set[str] = set()
@@ -188,6 +203,9 @@ class DiskTier:
 
     def _set_up(self) -> None:
         if _index.configure(self._db, self._wal_reserve) == INDEX_VERSION:
+            if not _index.has_removals(self._db):  # made by a release before the count
+                with self._sql() as db:
+                    _index.create_removals(db)
             return
         # New, or written by another format: start empty.
         with self._sql() as db:
@@ -237,29 +255,59 @@ class DiskTier:
 
     def expect(self, keys: Sequence[str], start: int, stop: int, skip: Container[str]) -> int:
         """Look up where the entries of ``keys[start:stop]`` (cache keys; those in ``skip``
-        left out) lie, in one query, for the :meth:`read_cached` calls that follow; returns
-        ``stop``. ``start == stop`` forgets what was looked up.
+        left out) lie, for the :meth:`read_cached` and :meth:`row_now` calls that follow;
+        returns ``stop``. ``start == stop`` forgets what was looked up.
 
         For a run of reads from the page cache on the event loop: a query per key cost a
-        third of such a read. The rows go stale as the index changes, so the caller
-        forgets them before it gives the loop up. A failed query looks up nothing. A key
-        found without an entry is taken as absent, unasked, until this process writes it
-        or ``_ABSENT_SECONDS`` pass (a hint: the regular read path asks the index itself).
+        third of such a read, and a query per stretch of keys a third of the event loop's
+        work in a warm epoch served from this tier. So the rows found are kept, for as long
+        as the index's count of removed entries stays the same (one cheap query a stretch):
+        a row never changes while its entry stays (see :mod:`~asyncstore.cache._index`).
+        Only keys not kept are asked for, in one query. What this call looked up goes stale
+        once the loop moves on: the caller forgets it before it gives the loop up.
+
+        A failed query looks up nothing. A key found without an entry is taken as absent,
+        unasked, until this process writes it or ``_ABSENT_SECONDS`` pass (a hint: the
+        regular read path asks the index itself).
         """
         if (now := time.monotonic()) >= self._absent_until:  # others' writes show in time
             self._absent, self._absent_until = set(), now + _ABSENT_SECONDS
         wanted = [k for k in keys[start:stop] if type(k) is str and k not in skip]
-        self._expected = dict.fromkeys(wanted)  # None: no entry
-        names = {self.name_for(key): key for key in wanted if key not in self._absent}
+        expected = self._expected = dict.fromkeys(wanted)  # None: no entry
+        if not wanted:
+            return stop
         try:
-            if names:
-                with self._read_lock:
+            with self._read_lock:
+                kept = self._kept_rows()
+                names: dict[str, str] = {}  # name -> key, of the keys to ask for
+                for key in wanted:
+                    if (packed := kept.get(key)) is not None:
+                        expected[key] = (packed >> 128, (packed >> 64) & _U64, packed & _U64)
+                    elif key not in self._absent:
+                        names[self.name_for(key)] = key
+                if names:
                     found = _index.find_many(self._rdb, list(names), HEADER.size, self.budget)
-                self._expected.update((names[name], row) for name, row in found.items())
-                self._absent.update(names[name] for name in names.keys() - found.keys())
+                    for name, row in found.items():
+                        expected[names[name]] = row
+                    if self._kept_as_of is not None and len(kept) < _KEPT_ROWS:
+                        for name, (segment, offset, size) in found.items():
+                            kept[names[name]] = segment << 128 | offset << 64 | size
+                    self._absent.update(names[name] for name in names.keys() - found.keys())
         except (sqlite3.Error, IntegrityError):
             self._expected = {}  # each read asks on its own, and reports a damaged row
         return stop
+
+    def _kept_rows(self) -> dict[str, int]:
+        # The rows kept from earlier lookups, if no entry was removed since; else none (and
+        # rows kept from now on are counted from now). The caller holds _read_lock.
+        try:
+            as_of = _index.removals(self._rdb)
+        except sqlite3.Error:
+            as_of = None  # no count to go by (an index damaged there): keep nothing
+        if as_of is None or as_of != self._kept_as_of:
+            self._kept = {}
+            self._kept_as_of = as_of
+        return self._kept
 
     def row_now(self, key: str) -> DiskRow | None:
         """Where the entry for ``key`` lies (a row :meth:`expect` looked up, else the
@@ -361,6 +409,11 @@ class DiskTier:
     def touches_pending(self) -> int:
         """Reads whose access time is not yet in the index (see :meth:`flush_touches`)."""
         return self._touches
+
+    def touches_due(self) -> bool:
+        """Whether reads' access times are pending and :data:`TOUCH_SECONDS` have passed
+        since the last :meth:`flush_touches`."""
+        return bool(self._touches) and time.monotonic() >= self._touches_due
 
     # -- write -------------------------------------------------------------------------------
 
@@ -619,6 +672,7 @@ class DiskTier:
         """Write batched access times to the index (blocks)."""
         with self._touch_lock:
             touched, self._touched, self._touches = self._touched, {}, 0
+            self._touches_due = time.monotonic() + TOUCH_SECONDS
         if not touched:
             return
         # One transaction for the batch: in autocommit each UPDATE would be its own commit,

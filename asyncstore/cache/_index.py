@@ -2,14 +2,22 @@
 its files, the bound on its write-ahead log, and the writers' lock (``DIR/index.lock``).
 
 Two tables: ``entries`` (name → segment, offset, size) and ``segments`` (id → recorded
-bytes, last access, owning writer). The tier opens and locks it; the transactions that
-change it are the tier's (see :mod:`asyncstore.cache._disk`).
+bytes, last access, owning writer), and a count of removed entries (``removals``, kept by
+a trigger). The tier opens and locks it; the transactions that change it are the tier's
+(see :mod:`asyncstore.cache._disk`).
+
+An entry's row never changes once committed: entries are inserted and deleted, never
+updated (a replaced entry is deleted, then inserted anew), and a recorded byte is never
+rewritten. A row a reader found therefore stays true for as long as no entry was removed,
+which :func:`removals` tells in one cheap query: readers keep the rows they found while
+it stays the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import sqlite3
 import time
 from pathlib import Path
@@ -44,7 +52,7 @@ def configure(db: sqlite3.Connection, wal_reserve: int) -> int:
 def create_tables(db: sqlite3.Connection) -> None:
     """Replace whatever tables the index holds by empty ones of :data:`INDEX_VERSION`
     (inside the caller's transaction)."""
-    for table in ("entries", "segments", "total"):
+    for table in ("entries", "segments", "total", "removals"):
         db.execute(f"DROP TABLE IF EXISTS {table}")  # names from the line above
     db.execute(
         "CREATE TABLE entries (name TEXT PRIMARY KEY, segment INTEGER NOT NULL, "
@@ -58,7 +66,41 @@ def create_tables(db: sqlite3.Connection) -> None:
         "bytes INTEGER NOT NULL, atime REAL NOT NULL, owner TEXT NOT NULL)"
     )
     db.execute("CREATE INDEX segments_atime ON segments(atime)")
+    create_removals(db)
     db.execute(f"PRAGMA user_version={INDEX_VERSION}")
+
+
+def has_removals(db: sqlite3.Connection) -> bool:
+    """Whether the index counts removed entries (indexes made before the count do not)."""
+    found = db.execute(
+        "SELECT COUNT(*) FROM sqlite_master WHERE name IN ('removals', 'entries_removed')"
+    ).fetchone()
+    return bool(found[0] == 2)
+
+
+def create_removals(db: sqlite3.Connection) -> None:
+    """Count every entry removed from now on (inside the caller's transaction).
+
+    A trigger counts them, so that every writer counts, whatever deletes (eviction,
+    replacement, removal, clearing) and whichever release of this library it runs: one
+    that knows nothing of the count still fires the trigger the index holds. The token,
+    drawn anew with the table, tells an index made anew from the one a reader knew, whose
+    count may have been the same.
+    """
+    db.execute("DROP TRIGGER IF EXISTS entries_removed")
+    db.execute("DROP TABLE IF EXISTS removals")
+    db.execute("CREATE TABLE removals (token INTEGER NOT NULL, count INTEGER NOT NULL)")
+    db.execute("INSERT INTO removals VALUES (?, 0)", (secrets.randbits(62),))
+    db.execute(
+        "CREATE TRIGGER entries_removed AFTER DELETE ON entries "
+        "BEGIN UPDATE removals SET count = count + 1; END"
+    )
+
+
+def removals(db: sqlite3.Connection) -> tuple[int, int] | None:
+    """The index's token and count of removed entries; None if it keeps none (damaged)."""
+    rows = db.execute("SELECT token, count FROM removals").fetchall()
+    return (rows[0][0], rows[0][1]) if len(rows) == 1 else None
 
 
 def forget(db: sqlite3.Connection, segments: list[int]) -> int:
