@@ -293,6 +293,13 @@ class PlanTier:
                 return True
             self._map()
         mine = self._next_use(key)
+        if mine == _NEVER and not pinned and self.used + size > self.budget:
+            # Not planned again: it would be the first to go (ties keep what is there), so
+            # the victims need not be looked at. The common case of a warm epoch read from
+            # the disk tier, whose hits are read once an epoch: each put had popped and
+            # pushed back the farthest entry for nothing.
+            self.bypassed += 1
+            return False
         victims: list[str] = []
         free = self.budget - self.used
         # Choose victims farthest-first without evicting yet: if the new entry is needed

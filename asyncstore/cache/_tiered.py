@@ -240,14 +240,15 @@ class TieredCache(AsyncResource):
         their bytes, as disk-tier hits, and promote the bytes to memory (on the loop), but
         for keys that :meth:`invalidate` or :meth:`clear` forgot since their rows were
         found."""
-        if self._state != "open":
+        if self._state != "open" or not read:
             return
+        self._gets += len(read)
+        self._mem_stats.misses += len(read)
+        self._disk_stats.hits += len(read)
+        self._disk_stats.bytes_served += sum(len(data) for _, data in read)
+        clears, generations = self._clears, self._generations
         for row, data in read:
-            self._gets += 1
-            self._mem_stats.misses += 1
-            self._disk_stats.hits += 1
-            self._disk_stats.bytes_served += len(data)
-            if row.generation == (self._clears, self._generations.get(row.key, 0)):
+            if row.generation == (clears, generations.get(row.key, 0)):
                 self._promote(row.key, data)
         if self._disk is not None:
             self._flush_touches_soon(self._disk)

@@ -262,6 +262,26 @@ def test_pinned_entries_are_never_evicted() -> None:
     assert tier.used <= 30
 
 
+def test_an_entry_not_planned_again_is_refused_by_a_full_tier_unless_pinned() -> None:
+    # A warm epoch read from the disk tier: every hit is put once it was read, with no use
+    # planned ahead. It would go first, so the tier stays as it is; a pinned one goes in.
+    tier = PlanTier(30)
+    tier.extend(["a", "b", "c", "d", "a"])
+    for key in "abc":
+        assert tier.put(key, b"x" * 10)
+    assert tier.get("d") is None
+    assert not tier.put("d", b"x" * 10)  # used once, never again: refused
+    assert sorted(tier._values) == ["a", "b", "c"]
+    assert tier.bypassed == 1
+    tier.pin(["p"])
+    assert tier.put("p", b"x" * 10)  # pinned: in, in place of an unpinned entry
+    assert "p" in tier
+    assert tier.used == 30
+    tier.discard("b")
+    assert tier.put("q", b"x" * 10)  # room for it: in, planned or not
+    assert "q" in tier
+
+
 def test_belady_reference() -> None:
     # a b c a b c with room for 2: keep a and b; the optimum hits a and b once each.
     assert belady_hits(list("abcabc"), 2) == 2
