@@ -93,14 +93,23 @@ class InMemory(IterableDataset[torch.Tensor]):
     these workers on this machine.
     """
 
-    def __init__(self, items: list[tuple[str, bytes]]) -> None:
+    def __init__(self, items: list[tuple[str, bytes]], seed: int | None = None) -> None:
+        """``seed``: read in a shuffled order, drawn afresh each iteration as
+        :class:`PlainFiles` draws it (else in the list's order)."""
         self.items = items
+        self.seed = seed
+        self.iterations = 0
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        for key, data in worker_share(self.items):
+        items = self.items
+        if self.seed is not None:
+            items = list(items)
+            random.Random(self.seed + self.iterations).shuffle(items)
+            self.iterations += 1
+        for key, data in worker_share(items):
             yield as_tensor(key, data)
 
 

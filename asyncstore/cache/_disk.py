@@ -69,11 +69,10 @@ from ._segments import SEGMENT_MAX, SEGMENTS, SegmentReader, open_record
 
 TOUCH_SECONDS = 1.0
 """Reads' access times go to the index at most this often, a process (and with every
-insert). Each write to the index makes the next query of every other connection start from
-an empty page cache (SQLite drops it when the log changed): written every 256 reads, as
-before, the access times made a warm epoch's lookups on the event loop several times as
-costly. Eviction needs no finer clock: it takes whole segments, a sixteenth of the budget
-each."""
+insert), rather than every 256 reads as before. Each write to the index is a transaction
+and a thread hop for the writer, and it changes the index under every other connection,
+whose next query must then look at the log again. Eviction needs no finer clock: it takes
+whole segments, a sixteenth of the budget each."""
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
