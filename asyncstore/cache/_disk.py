@@ -36,7 +36,7 @@ holds the lock, so this needs no guesswork about who is alive.
 
 Hits do not write the index on the read path: they look their entry up (one query on a
 connection of their own, never waiting for a writer), and the segments' last-access times
-are batched and written with the next insert, or at most every ``TOUCH_SECONDS``.
+are batched and written with the next insert or when ``TOUCH_BATCH`` reads are pending.
 Eviction is least recently used at the granularity of segments: a segment's last access is
 that of its most recently read entry.
 
@@ -67,12 +67,7 @@ from ._index import INDEX_VERSION
 from ._record import HEADER, decode, encode_head
 from ._segments import SEGMENT_MAX, SEGMENTS, SegmentReader, open_record
 
-TOUCH_SECONDS = 1.0
-"""Reads' access times go to the index at most this often, a process (and with every
-insert), rather than every 256 reads as before. Each write to the index is a transaction
-and a thread hop for the writer, and it changes the index under every other connection,
-whose next query must then look at the log again. Eviction needs no finer clock: it takes
-whole segments, a sixteenth of the budget each."""
+TOUCH_BATCH = 256
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 
 
@@ -143,7 +138,6 @@ class DiskTier:
         self._touch_lock = threading.Lock()
         self._touched: dict[int, float] = {}  # segment -> last read
         self._touches = 0  # reads since the last flush
-        self._touches_due = 0.0  # when the next flush is due (time.monotonic())
         self.evictions = 0
         self._nowait = bool(_RWF_NOWAIT) and hasattr(os, "preadv")
         self._reader = SegmentReader()  # read_cached's: on the event loop only
@@ -203,7 +197,9 @@ class DiskTier:
     def _set_up(self) -> None:
         if _index.configure(self._db, self._wal_reserve) == INDEX_VERSION:
             if not _index.has_removals(self._db):  # made by a release before the count
-                with self._sql() as db:
+                # Where it cannot be added (a full disk, an index this process may read but
+                # not write), the tier works as before, keeping no rows (see expect).
+                with contextlib.suppress(sqlite3.Error), self._sql() as db:
                     _index.create_removals(db)
             return
         # New, or written by another format: start empty.
@@ -408,11 +404,6 @@ class DiskTier:
     def touches_pending(self) -> int:
         """Reads whose access time is not yet in the index (see :meth:`flush_touches`)."""
         return self._touches
-
-    def touches_due(self) -> bool:
-        """Whether reads' access times are pending and :data:`TOUCH_SECONDS` have passed
-        since the last :meth:`flush_touches`."""
-        return bool(self._touches) and time.monotonic() >= self._touches_due
 
     # -- write -------------------------------------------------------------------------------
 
@@ -641,7 +632,7 @@ class DiskTier:
         """Remove every entry (of every process)."""
         with self._transaction() as db:
             segments = [row[0] for row in db.execute("SELECT id FROM segments").fetchall()]
-            db.execute("DELETE FROM entries")
+            _index.remove_all(db)
             db.execute("DELETE FROM segments")
             for segment in segments:  # as evictions do: gone before the commit
                 _segments.remove(self.segment_path(segment))
@@ -671,7 +662,6 @@ class DiskTier:
         """Write batched access times to the index (blocks)."""
         with self._touch_lock:
             touched, self._touched, self._touches = self._touched, {}, 0
-            self._touches_due = time.monotonic() + TOUCH_SECONDS
         if not touched:
             return
         # One transaction for the batch: in autocommit each UPDATE would be its own commit,

@@ -29,7 +29,7 @@ from .._dirs import check_disk_dir
 from .._resource import AsyncResource
 from ..errors import IntegrityError, InvalidArgument, StoreClosed
 from ..stores import Store, check_key, check_key_list, check_range
-from ._disk import DiskRow, DiskTier, RowReader, WouldBlock
+from ._disk import TOUCH_BATCH, DiskRow, DiskTier, RowReader, WouldBlock
 from ._freshness import Freshness
 from ._memory import MemoryTier
 from ._plan import PlanTier
@@ -484,7 +484,7 @@ class TieredCache(AsyncResource):
 
     def _flush_touches_soon(self, disk: DiskTier) -> None:
         # Reads' access times go to the index in batches, in the background.
-        if not self._flushing and disk.touches_due():
+        if disk.touches_pending >= TOUCH_BATCH and not self._flushing:
             self._flushing = True
             self._background(self._flush_touches(disk), "flush access times")
 

@@ -282,6 +282,21 @@ def test_an_entry_not_planned_again_is_refused_by_a_full_tier_unless_pinned() ->
     assert "q" in tier
 
 
+def test_an_entry_put_back_with_the_same_next_use_is_evicted_once() -> None:
+    # Discarded (an invalidate) and put back with the same next use, an entry has two items
+    # in the eviction order; taking it as a victim twice made the put raise KeyError.
+    tier = PlanTier(10)
+    tier.extend(["y", "x", "a", "b"])
+    assert tier.put("a", b"a" * 4)
+    assert tier.put("b", b"b" * 4)
+    assert tier.put("x", b"x" * 4)  # evicts b: the eviction order is built
+    tier.discard("a")
+    assert tier.put("a", b"a" * 4)
+    assert tier.put("y", b"y" * 10)  # needs every byte: a and x go, once each
+    assert sorted(tier._values) == ["y"]
+    assert tier.used == 10
+
+
 def test_belady_reference() -> None:
     # a b c a b c with room for 2: keep a and b; the optimum hits a and b once each.
     assert belady_hits(list("abcabc"), 2) == 2
