@@ -9,8 +9,9 @@ same arithmetic on torch's intra-op pool at its default size (what it did before
 Warm epochs: StreamingDataset in a DataLoader with the dataset 3x the memory tier (served
 from the disk tier), against the same DataLoader over a dataset of plain ``open().read()``
 of the same samples as local files; and with the memory tier holding the whole dataset,
-against the same DataLoader over the samples in a list in memory. Same decode, same batches
-per worker, same collate (``torch.stack``, the DataLoader's default for tensors), same run.
+against the same DataLoader over the samples in a list in memory, read in a shuffled order
+(and, for reference, in its stored order). Same decode, same batches per worker, same
+collate (``torch.stack``, the DataLoader's default for tensors), same run.
 
 Run ``python benchmarks/bench_epoch.py`` (``--write`` records the tables in
 docs/benchmarks.md). The machine is shared: rerun, and read ratios, not rates.
