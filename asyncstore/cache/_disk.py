@@ -255,7 +255,7 @@ class DiskTier:
 
         For a run of reads from the page cache on the event loop: a query per key cost a
         third of such a read, and a query per stretch of keys a third of the event loop's
-        work in a warm epoch served from this tier. So the rows found are kept, for as long
+        busy time in a warm epoch served from this tier. So the rows found are kept, as long
         as the index's count of removed entries stays the same (one cheap query a stretch):
         a row never changes while its entry stays (see :mod:`~asyncstore.cache._index`).
         Only keys not kept are asked for, in one query. What this call looked up goes stale
