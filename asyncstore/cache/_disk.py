@@ -364,18 +364,8 @@ class DiskTier:
             return WOULD_BLOCK
         if found is None:
             return None
-        segment, offset, size = found
-        path = self.segment_path(segment)
         try:
-            try:
-                raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
-                return None if raw is None else self.accept(segment, raw, key)
-            except IntegrityError:
-                # Perhaps read through a descriptor kept from before the index was made
-                # anew (see SegmentReader): once more through a fresh one.
-                self._reader.forget()
-                raw = self._reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
-                return None if raw is None else self.accept(segment, raw, key)
+            return self.read_nowait(self._reader, key, *found)
         except BlockingIOError:
             return WOULD_BLOCK  # not all of it is in the page cache
         except OSError as exc:
@@ -383,6 +373,29 @@ class DiskTier:
                 self._nowait = False  # this file system or kernel cannot: use threads
                 return WOULD_BLOCK
             raise
+
+    def read_nowait(
+        self, reader: SegmentReader, key: str, segment: int, offset: int, size: int
+    ) -> tuple[bytes, str | None] | None:
+        """The payload and ETag of ``key``'s record at ``offset`` in ``segment``, read
+        through ``reader`` from the page cache only and checked (:meth:`accept`); None if
+        the segment is gone. A record that fails its checks is read once more through fresh
+        descriptors: one kept from before the index was made anew reads another record
+        (see :class:`SegmentReader`).
+
+        Raises:
+            IntegrityError: the record fails its checks through fresh descriptors too.
+            BlockingIOError: not all of it is in the page cache.
+            OSError: the read failed.
+        """
+        path = self.segment_path(segment)
+        try:
+            raw = reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
+            return None if raw is None else self.accept(segment, raw, key)
+        except IntegrityError:
+            reader.forget()
+        raw = reader.read(path, segment, offset, size, key, _RWF_NOWAIT)
+        return None if raw is None else self.accept(segment, raw, key)
 
     def accept(
         self, segment: int, raw: bytes | bytearray | memoryview, key: str
@@ -722,24 +735,18 @@ class RowReader:
 
     def read(self, row: DiskRow) -> bytes | None:
         """The payload of ``row``'s entry, or None (see the class)."""
-        disk = self._disk
-        path = disk.segment_path(row.segment)
-        for _ in range(2):
-            try:
-                raw = self._reader.read(
-                    path, row.segment, row.offset, row.size, row.key, _RWF_NOWAIT
-                )
-                return None if raw is None else disk.accept(row.segment, raw, row.key)[0]
-            except BlockingIOError:
-                self.cold += 1
-                return None
-            except IntegrityError:
-                self._reader.forget()
-            except OSError as exc:
-                if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-                    self.cold += 1  # no reads that do not wait here
-                return None
-        return None
+        try:
+            hit = self._disk.read_nowait(self._reader, row.key, row.segment, row.offset, row.size)
+        except BlockingIOError:
+            self.cold += 1
+            return None
+        except IntegrityError:
+            return None
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                self.cold += 1  # no reads that do not wait here
+            return None
+        return None if hit is None else hit[0]
 
     def close(self) -> None:
         """Close the descriptors kept."""

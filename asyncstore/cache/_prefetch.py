@@ -504,7 +504,7 @@ class RowPrefetcher(Prefetcher):
 
     def _ready_run(self, cache: TieredCache, keys: list[str], start: int, stop: int) -> list[bytes]:
         if not self.rows:
-            return cache.get_ready(keys, start, stop)
+            return super()._ready_run(cache, keys, start, stop)
         # Rows travel where bytes do: they count against max_bytes by their length.
         return cast("list[bytes]", cache.get_ready_rows(keys, start, stop))
 
