@@ -236,6 +236,14 @@ class Prefetcher(AsyncResource):
         # Take the head, a finished fetch: its bytes, None when skipped after an error, or
         # its error (closing). ``waited``: how long the consumer waited for it, None when it
         # was ready before it was wanted.
+        try:
+            return self._take_finished(waited)
+        except Exception:
+            await self.aclose()
+            raise
+
+    def _take_finished(self, waited: float | None) -> tuple[str, bytes] | None:
+        # _take_head but for closing: its error is raised as it is.
         key, fetch = self._window.popleft()
         self._fetches -= 1
         assert isinstance(fetch, asyncio.Future)  # the caller saw it done
@@ -249,7 +257,6 @@ class Prefetcher(AsyncResource):
             if self._skip:
                 self._skipped += 1
                 return None
-            await self.aclose()
             raise
         self._ready_bytes -= len(data)
         self._items += 1
@@ -275,18 +282,31 @@ class Prefetcher(AsyncResource):
 
     async def _read_plan(self) -> None:
         # Read a slice of the plan ahead and tell a plan-aware cache about it.
-        want = _PLAN_READ if self._plan_cache is not None else max(64, self._depth)
         keys = self._keys
-        if isinstance(keys, AsyncIterator):
-            batch: list[str] = []
-            try:
-                while len(batch) < want:
-                    batch.append(await anext(keys))
-            except StopAsyncIteration:
-                self._exhausted = True
-        else:
-            batch = list(islice(keys, want))
-            self._exhausted = len(batch) < want
+        if not isinstance(keys, AsyncIterator):
+            self._read_plan_now()
+            return
+        want = self._plan_want()
+        batch: list[str] = []
+        try:
+            while len(batch) < want:
+                batch.append(await anext(keys))
+        except StopAsyncIteration:
+            self._exhausted = True
+        self._planned(batch)
+
+    def _read_plan_now(self) -> None:
+        # _read_plan for a plan that is a plain iterable: no await.
+        want = self._plan_want()
+        batch = list(islice(cast("Iterator[str]", self._keys), want))
+        self._exhausted = len(batch) < want
+        self._planned(batch)
+
+    def _plan_want(self) -> int:
+        return _PLAN_READ if self._plan_cache is not None else max(64, self._depth)
+
+    def _planned(self, batch: list[str]) -> None:
+        # Keys read from the plan: told to a plan-aware cache, and queued to be fetched.
         if batch and self._plan_cache is not None:
             try:
                 self._plan_cache.plan(batch)
@@ -297,6 +317,17 @@ class Prefetcher(AsyncResource):
             del ahead[: self._next]
             self._next = 0
         ahead += batch
+
+    def _refill_now(self, limit: int) -> None:
+        # A refill, without awaiting as far as it goes: local runs, a plain plan's keys read
+        # ahead. Fetches to start and an async plan to read are left to a background refill.
+        if not self._filling.locked() and not self._fill_local(limit):
+            if not self._plan_short():
+                return
+            if not isinstance(self._keys, AsyncIterator):
+                self._read_plan_now()  # the plan-aware cache told PLAN_AHEAD keys ahead
+                return
+        self._refill_soon()
 
     def _refill_soon(self) -> None:
         # Keep the window full while the consumer works on what it got: without this, new
@@ -312,31 +343,11 @@ class Prefetcher(AsyncResource):
         # Start fetches until the window is as deep as wanted, or a bound says stop.
         limit = max(self._depth, self._want)
         window = self._window
-        while len(window) < limit and self._ready_bytes < self._max_bytes:
-            ahead, start = self._ahead, self._next
-            if start == len(ahead):
-                if self._exhausted:
-                    break
-                await self._read_plan()
+        while self._fill_local(limit):
+            start = self._next
+            if start == len(self._ahead):
+                await self._read_plan()  # an async plan (a plain one is read by _fill_local)
                 continue
-            if self._warm_cache is not None:
-                # Keys already local go in the window with their bytes, a run per call: no
-                # task, no future, no wait (the common warm-epoch case). Bytes ready count
-                # against max_bytes at the size seen so far.
-                room = 1  # until a size is known
-                if self._avg_size is not None:
-                    # Empty items (an average of 0) take no room: the window bounds them.
-                    left = (self._max_bytes - self._ready_bytes) / max(self._avg_size, 1.0)
-                    room = max(1, min(limit - len(window), int(left)))
-                run = self._ready_run(self._warm_cache, ahead, start, start + room)
-                if run:
-                    size = sum(map(len, run))
-                    window.extend(zip(ahead[start : start + len(run)], run, strict=True))
-                    self._next = start + len(run)
-                    self._fetched += len(run)
-                    self._ready_bytes += size
-                    self._seen(size / len(run))
-                    continue
             inflight = self._inflight
             if inflight >= self._max_inflight:
                 break
@@ -349,18 +360,56 @@ class Prefetcher(AsyncResource):
                     break
             elif window and self._ready_bytes + (inflight + 1) * self._avg_size > self._max_bytes:
                 break
-            key = ahead[start]
+            key = self._ahead[start]
             self._next = start + 1
             self._fetched += 1
             self._inflight += 1
             window.append((key, self._tasks.spawn(self._fetch(key), name="prefetch")))
             self._fetches += 1
-        if (
+        if self._plan_short():
+            await self._read_plan()  # the plan-aware cache told PLAN_AHEAD keys ahead
+
+    def _fill_local(self, limit: int) -> bool:
+        # The part of a fill that needs no await: runs of keys already local go in the window
+        # with their bytes, a run per call (no task, no future, no wait: the common warm-epoch
+        # case), and a plain iterable plan is read as needed. True when the window has room
+        # left and the next key needs a fetch, or a read of an async plan.
+        window = self._window
+        while len(window) < limit and self._ready_bytes < self._max_bytes:
+            ahead, start = self._ahead, self._next
+            if start == len(ahead):
+                if self._exhausted:
+                    return False
+                if isinstance(self._keys, AsyncIterator):
+                    return True
+                self._read_plan_now()
+                continue
+            if self._warm_cache is None:
+                return True
+            # Bytes ready count against max_bytes at the size seen so far.
+            room = 1  # until a size is known
+            if self._avg_size is not None:
+                # Empty items (an average of 0) take no room: the window bounds them.
+                left = (self._max_bytes - self._ready_bytes) / max(self._avg_size, 1.0)
+                room = max(1, min(limit - len(window), int(left)))
+            run = self._ready_run(self._warm_cache, ahead, start, start + room)
+            if not run:
+                return True
+            size = sum(map(len, run))
+            window.extend(zip(ahead[start : start + len(run)], run, strict=True))
+            self._next = start + len(run)
+            self._fetched += len(run)
+            self._ready_bytes += size
+            self._seen(size / len(run))
+        return False
+
+    def _plan_short(self) -> bool:
+        # Fewer than PLAN_AHEAD keys read ahead of the window for a plan-aware cache.
+        return (
             self._plan_cache is not None
             and not self._exhausted
             and len(self._ahead) - self._next < PLAN_AHEAD
-        ):
-            await self._read_plan()  # the plan-aware cache told PLAN_AHEAD keys ahead
+        )
 
     def _seen(self, size: float) -> None:
         # The average item size, over recent items (or runs of them).
@@ -450,6 +499,45 @@ class Prefetcher(AsyncResource):
             self._refill_soon()
         return items
 
+    def take_nowait(self, most: int) -> list[tuple[str, bytes]]:
+        """The items ready now, up to ``most``, without awaiting anything: for a callback on
+        the event loop, where :meth:`take` would need a task.
+
+        It gives what ``take(most, least=0)`` gives, stopping before the first item in
+        flight or failed, and refills the window as :meth:`take` does: items already local
+        at once, new fetches in the background. ``[]`` means that none is ready now, or that
+        the plan is done: only :meth:`take` tells the end of the plan (:attr:`closed`).
+        Items it gives count as not waited for.
+
+        Raises:
+            InvalidArgument: ``most`` is not a positive int.
+        """
+        if isinstance(most, bool) or not isinstance(most, int) or most < 1:
+            raise InvalidArgument(f"most={most!r}: pass a positive int")
+        self._want = most
+        items: list[tuple[str, bytes]] = []
+        if not self._open():
+            return items
+        window, limit = self._window, max(self._depth, most)
+        while len(items) < most:
+            if not window and not self._filling.locked():
+                self._fill_local(limit)
+            if not window:
+                break
+            head = window[0][1]
+            if not isinstance(head, asyncio.Future):
+                self._take_ready(items, most)
+                continue
+            if not head.done() or head.cancelled():
+                break
+            if head.exception() is not None and not self._skip:
+                break  # raised by the next take(), after what came before it
+            item = self._take_finished(None)
+            if item is not None:
+                items.append(item)
+        self._refill_now(limit)
+        return items
+
     # -- stats -------------------------------------------------------------------------------
 
     @property
@@ -512,6 +600,18 @@ class RowPrefetcher(Prefetcher):
         """:meth:`take`, whose items may hold rows instead of bytes."""
         items = await Prefetcher.take(self, most, least=least)
         return cast("list[tuple[str, bytes | DiskRow]]", items)
+
+    def take_rows_nowait(self, most: int) -> list[tuple[str, bytes | DiskRow]]:
+        """:meth:`take_nowait`, whose items may hold rows instead of bytes."""
+        return cast("list[tuple[str, bytes | DiskRow]]", Prefetcher.take_nowait(self, most))
+
+    def take_nowait(self, most: int) -> list[tuple[str, bytes]]:
+        """Refused: its items may be rows, which only :meth:`take_rows_nowait` gives.
+
+        Raises:
+            TypeError: always.
+        """
+        raise TypeError("a RowPrefetcher's items may be rows: take them with take_rows_nowait()")
 
     async def take(self, most: int, *, least: int = 1) -> list[tuple[str, bytes]]:
         """Refused: its items may be rows, which only :meth:`take_rows` gives.

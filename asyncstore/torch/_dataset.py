@@ -27,13 +27,12 @@ try:  # only to tell the DataLoader's batch size (see _loader_batch)
 except ImportError:  # pragma: no cover - a torch without it: the check is skipped
     _IterableDatasetFetcher = None  # type: ignore[assignment,misc]
 
-from .._concurrency import TaskSet
 from .._config import DatasetConfig, build
 from .._dirs import check_disk_dir
 from .._loop import run_sync
 from .._resource import track
 from ..cache import CacheStats, DiskRow, RowPrefetcher, RowReader, TieredCache
-from ..errors import AsyncStoreError, InvalidArgument, InvalidKey, StoreClosed
+from ..errors import AsyncStoreError, InvalidArgument, InvalidKey
 from ..metrics import WorkerFigures
 from ..stores import Store, check_key, open_store
 from ._datastate import (
@@ -70,6 +69,9 @@ _DECODE = 512
 # Batches staged ahead on the loop (see _Session), and the bytes that stops staging early.
 _STAGED = 4
 _STAGED_BYTES = 64 << 20
+# Batches left staged when the consumer wakes the loop to stage more, in batches with no
+# rows to hand back (see _Session).
+_RESTAGE_AT = 1
 
 
 def _check_keys(keys: object, url: str) -> list[str]:
@@ -619,18 +621,21 @@ class _Session:
     The consumer (the training loop or a DataLoader worker, on its own thread) takes a
     staged batch without a trip to the loop: a trip wakes two threads, about 0.3 ms on a
     small VM (5 µs a sample at 64 samples), more than a warm sample's own handling. The loop
-    stages the next batches from the items ready now (``take(least=0)`` never waits for a
+    stages the next batches from the items ready now (``take_rows_nowait`` never waits for a
     fetch, so the prefetcher's waits and stalls stay the consumer's own), up to 4 batches or
     64 MiB. Only when nothing is staged does the consumer make a trip and wait.
 
-    The consumer wakes the loop as it takes each batch, so that the loop stages one batch
-    per wake-up. The loop's staging holds the GIL, and the consumer waits for it to finish
-    whenever it needs the GIL back: one batch's staging fits in the time the consumer spends
-    without the GIL (the collate's copy), where staging three at once, after every third
-    batch, made it wait for most of the burst. Measured on warm epochs served from memory
-    (2 cores, 0 workers), together with the key index's kept keys: the consumer waited for
-    the GIL 2.3 µs a sample instead of 3.8, and epochs ran 1.09x as fast (median of 40
-    alternating pairs).
+    The consumer wakes the loop when one staged batch is left, and the loop stages the three
+    taken since, in one turn: no task, no await. Each wake-up costs the consumer a write to
+    the loop's socket and the GIL handed over and back (the kernel's wake-ups took 6% of its
+    CPU time, per ``perf``, with a wake-up a batch), and each further turn of the loop had
+    taken the GIL from it again: a wake-up was four turns when staging ran as tasks.
+    Measured on warm epochs served from memory (2 cores, 0 workers, alternating processes):
+    0.90-0.95x an in-memory list, against 0.82-0.91x with a wake-up a batch and staging as
+    tasks. A batch with rows to hand back wakes the loop at once: the consumer's reads let
+    the loop in mid-batch, and it then waits for the loop's turn, which three batches' rows
+    (looked up, counted, promoted to memory) made long: with 2 workers, epochs from the disk
+    tier ran 10-20% slower when their rows waited for a wake-up every fourth batch.
 
     Warm disk-tier hits come in the batches as rows (where each lies), which the consumer
     reads itself with a :class:`~asyncstore.cache.RowReader`, as a plain file read would
@@ -656,9 +661,7 @@ class _Session:
         self._settling: deque[list[tuple[DiskRow, bytes]]] = deque()  # rows read, to count
         self._failed: BaseException | None = None  # raised by the consumer's next call
         self._taking = asyncio.Lock()  # one take at a time: batches keep the plan's order
-        self._tasks = TaskSet("a StreamingDataset iteration")
         self._most = _BATCH
-        self._error: BaseException | None = None
         # Set by the consumer when it wakes the loop, cleared by the loop when it wakes: no
         # second wake-up while one is on its way (each costs a write to the loop's socket).
         self._waking = False
@@ -678,8 +681,8 @@ class _Session:
         else:
             staged = True
         items = self._read_rows(taken)
-        if (staged or self._settling) and not self._waking:
-            # The loop stages the next batch meanwhile, and counts the rows read.
+        if (self._settling or (staged and len(self._staged) <= _RESTAGE_AT)) and not self._waking:
+            # The loop stages the next batches meanwhile, and counts the rows read.
             self._waking = True
             self._loop.call_soon_threadsafe(self._woken)
         self.samples += len(items)
@@ -746,9 +749,8 @@ class _Session:
         self._stage()
 
     async def _take(self, most: int, least: int) -> list[tuple[str, bytes | DiskRow]]:
+        self._settle()
         async with self._taking:
-            if self._error is not None:
-                raise self._error
             # A batch staged while this call waited for the lock comes first.
             items = self._staged.popleft() if self._staged else None
             if items is None:
@@ -757,30 +759,21 @@ class _Session:
         return items
 
     def _stage(self) -> None:
-        # On the loop: stage the next batches, unless enough are staged or being taken (a
-        # staging under way stages up to _STAGED, this batch included).
-        if len(self._staged) < _STAGED and not self._taking.locked() and not self.prefetcher.closed:
-            with contextlib.suppress(StoreClosed):  # the iteration is closing
-                self._tasks.spawn(self._stage_ready(), name="stage a batch")
-
-    async def _stage_ready(self) -> None:
-        async with self._taking:
-            staged = 0  # bytes staged by this call (the consumer takes from the deque meanwhile)
-            while len(self._staged) < _STAGED and staged < _STAGED_BYTES:
-                if self.prefetcher.closed:
-                    return
-                try:
-                    items = await self.prefetcher.take_rows(self._most, least=0)
-                except Exception as exc:  # raised to the consumer by its next trip
-                    self._error = exc
-                    return
-                if not items:
-                    return
-                self._staged.append(items)
-                staged += sum(map(len, map(_second, items)))
+        # On the loop, in one go: stage the next batches from the items ready now, up to
+        # _STAGED batches or _STAGED_BYTES, unless a take is under way (batches keep the
+        # plan's order). No task and no await: a wake-up is one turn of the loop, which
+        # takes the GIL once (each turn took it from the consumer again).
+        if self._taking.locked() or self.prefetcher.closed:
+            return
+        staged = 0  # bytes staged by this call (the consumer takes from the deque meanwhile)
+        while len(self._staged) < _STAGED and staged < _STAGED_BYTES:
+            items = self.prefetcher.take_rows_nowait(self._most)
+            if not items:
+                return
+            self._staged.append(items)
+            staged += sum(map(len, map(_second, items)))
 
     async def close(self) -> DatasetStats:
-        await self._tasks.aclose()
         self._staged.clear()
         self._settle()
         if self._reader is not None:

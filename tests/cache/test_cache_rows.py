@@ -168,6 +168,23 @@ async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
         assert rest[-1][1] == value(5)
 
 
+async def test_a_row_prefetcher_takes_rows_without_awaiting_and_refuses_plain_takes(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    await warm(source, tmp_path)
+    async with (
+        cold_cache(source, tmp_path) as cache,
+        RowPrefetcher(cache, KEYS, lookahead=2) as prefetcher,
+    ):
+        got = prefetcher.take_rows_nowait(len(KEYS))
+        assert [key for key, _ in got] == KEYS
+        assert all(isinstance(item, DiskRow) for _, item in got)
+        with pytest.raises(TypeError, match="take_rows_nowait"):
+            prefetcher.take_nowait(1)
+        with pytest.raises(TypeError, match="take_rows"):
+            await prefetcher.take(1)
+
+
 @pytest.mark.parametrize("forget", ["invalidate", "clear"])
 async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
     source: CountingStore, tmp_path: Path, forget: str

@@ -270,6 +270,56 @@ async def test_take_of_least_zero_never_waits_and_keeps_the_order(slow: SlowStor
     assert got == ["k001", "k002"]
 
 
+async def test_take_nowait_gives_what_is_ready_without_a_task_when_all_is_local(
+    slow: SlowStore,
+) -> None:
+    # From a warm cache: every item at once, the window refilled in place (no task, no
+    # await), in plan order. From the store: nothing until fetches finish, then the
+    # finished ones in order, stopping before one in flight and before a failed key, whose
+    # error only a waiting take() raises.
+    slow.delay, slow.jitter = 0.0, 0.0
+    plan = [f"k{i:03d}" for i in range(100)]
+    async with TieredCache(slow, memory_bytes=1 << 20) as cache:
+        assert await cache.warm(plan) == 100
+        async with Prefetcher(cache, plan, lookahead=8) as prefetcher:
+            tasks = len(asyncio.all_tasks())
+            got: list[str] = []
+            while len(got) < 100:
+                batch = prefetcher.take_nowait(16)
+                assert len(batch) == min(16, 100 - len(got))  # never short while all is local
+                got += [key for key, _ in batch]
+                assert len(asyncio.all_tasks()) == tasks
+            assert got == plan
+            assert prefetcher.take_nowait(16) == []
+            assert not prefetcher.closed  # only take() tells the end of the plan
+            assert await prefetcher.take(16, least=0) == []
+            assert prefetcher.closed
+    slow.delay = 0.05
+    plan = [f"k{i:03d}" for i in range(12)]
+    plan[9] = "missing"
+    async with Prefetcher(slow, plan, lookahead=4, max_inflight=4) as prefetcher:
+        assert prefetcher.take_nowait(8) == []
+        await anyio.sleep(0.01)
+        assert slow.inflight == 4  # the fetches it started, in the background
+        seen: list[str] = []
+        while len(seen) < 9:
+            seen += [key for key, _ in prefetcher.take_nowait(8)]
+            await anyio.sleep(0.01)
+        assert seen == plan[:9]
+        await anyio.sleep(0.1)
+        assert prefetcher.take_nowait(8) == []  # the failed key is next
+        with pytest.raises(NotFound, match="missing"):
+            await prefetcher.take(8)
+    assert prefetcher.stats().stalls == 0
+
+
+@pytest.mark.parametrize("most", [0, -1, True, 2.0, "3"])
+async def test_take_nowait_refuses_a_bad_count(slow: SlowStore, most: object) -> None:
+    async with Prefetcher(slow, ["k001"]) as prefetcher:
+        with pytest.raises(InvalidArgument, match="most="):
+            prefetcher.take_nowait(most)  # type: ignore[arg-type]
+
+
 async def test_plan_aware_cache_gets_the_plan(slow: SlowStore) -> None:
     slow.delay, slow.jitter = 0.0, 0.0
     rng = random.Random(2)

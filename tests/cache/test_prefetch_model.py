@@ -5,13 +5,15 @@ is read through a cache warmed beforehand in part: in memory only, or with a dis
 (written by this cache, still queued for it, or written by an earlier cache on the same
 directory), with either eviction policy, and block entries of ranged reads in memory whose
 cache keys the plan names too. The consumer calls ``take(most, least=...)`` with drawn
-sizes, or iterates with ``async for``. The model is a plain list: with ``on_error="skip"``
-the plan's good keys in order with their bytes, every bad key skipped and counted; with
-``"raise"`` the good keys before the first bad one, then that key's error (``NotFound`` or
-``InvalidKey``) from the first call that must wait for it. Each call gives the model's next
-items, at least ``least`` of them unless the plan (or the good stretch) ends first; ``[]``
-from a waiting call is the end. Afterwards ``take`` gives ``[]``, the prefetcher is closed,
-no task is left behind, and the cache serves every good key with the store's bytes.
+sizes, or ``take_nowait(most)`` (a least of -1 in a drawn call: what ``least=0`` gives,
+without awaiting), or iterates with ``async for``. The model is a plain list: with
+``on_error="skip"`` the plan's good keys in order with their bytes, every bad key skipped
+and counted; with ``"raise"`` the good keys before the first bad one, then that key's error
+(``NotFound`` or ``InvalidKey``) from the first call that must wait for it. Each call gives
+the model's next items, at least ``least`` of them unless the plan (or the good stretch)
+ends first; ``[]`` from a waiting call is the end. Afterwards ``take`` gives ``[]``, the
+prefetcher is closed, no task is left behind, and the cache serves every good key with the
+store's bytes.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ class Scenario:
     max_inflight: int
     max_bytes: int
     delay: float  # the store's latency per read
-    calls: list[tuple[int, int]]  # (most, least) per take() call, cycled; [] for async for
+    calls: list[
+        tuple[int, int]
+    ]  # (most, least) per call, cycled (least -1: take_nowait); [] for async for
 
 
 def valid(key: str) -> bool:
@@ -97,7 +101,9 @@ def scenarios(draw: st.DrawFn) -> Scenario:
     ranged = draw(st.lists(st.sampled_from(present), unique=True, max_size=3))
     calls = draw(
         st.lists(
-            st.integers(1, 20).flatmap(lambda most: st.tuples(st.just(most), st.integers(0, most))),
+            st.integers(1, 20).flatmap(
+                lambda most: st.tuples(st.just(most), st.integers(-1, most))
+            ),
             min_size=1,
             max_size=8,
         )
@@ -157,11 +163,23 @@ async def consume_with_take(
 ) -> tuple[list[tuple[str, bytes]], BaseException | None]:
     got: list[tuple[str, bytes]] = []
     calls = list(scenario.calls)
-    if expected.error is not None and all(least == 0 for _, least in calls):
-        calls[-1] = (calls[-1][0], 1)  # only a waiting call raises: make one wait
+    if all(least < 0 for _, least in calls) or (
+        expected.error is not None and all(least <= 0 for _, least in calls)
+    ):
+        # Only take() tells the end of the plan, and only a waiting call raises: make one wait.
+        calls[-1] = (calls[-1][0], 1)
     for call in range(MAX_CALLS):
         most, least = calls[call % len(calls)]
         left = len(expected.items) - len(got)
+        if least < 0:
+            # What least=0 would give, the end of the plan and errors aside; never an await.
+            batch = prefetcher.take_nowait(most)
+            assert len(batch) <= most
+            assert batch == expected.items[len(got) : len(got) + len(batch)], (call, most)
+            got += batch
+            if not batch:
+                await asyncio.sleep(0.0001)  # nothing ready yet: let the fetches run
+            continue
         error: AsyncStoreError | None = None
         try:
             batch = await prefetcher.take(most, least=least)
@@ -254,6 +272,7 @@ async def run_scenario(scenario: Scenario, disk_dir: str | None) -> None:
                 assert prefetcher.closed
                 assert await prefetcher.take(5) == []
                 assert await prefetcher.take(5, least=0) == []
+                assert prefetcher.take_nowait(5) == []
                 stats = prefetcher.stats()
                 assert stats.items == len(expected.items)
                 assert stats.skipped == expected.skipped

@@ -13,6 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from asyncstore import InvalidArgument, NotFound
+from asyncstore._concurrency import TaskSet
 from asyncstore.testing import belady_hits
 from asyncstore.torch import StreamingDataset
 
@@ -144,14 +145,25 @@ def test_a_warm_epoch_takes_staged_batches_without_trips_to_the_loop(
     monkeypatch.setattr(_dataset, "run_sync", counted)
     # Batches staged by each staging run on the loop.
     runs: list[int] = []
-    stage_ready = _dataset._Session._stage_ready
+    stage = _dataset._Session._stage
 
-    async def staging(self: Any) -> None:
+    def staging(self: Any) -> None:
         before = self.samples + sum(map(len, self._staged))
-        await stage_ready(self)
-        runs.append(round((self.samples + sum(map(len, self._staged)) - before) / 64))
+        stage(self)
+        if staged := round((self.samples + sum(map(len, self._staged)) - before) / 64):
+            runs.append(staged)
 
-    monkeypatch.setattr(_dataset._Session, "_stage_ready", staging)
+    monkeypatch.setattr(_dataset._Session, "_stage", staging)
+    # Tasks started on the loop: a warm epoch's wake-ups stage without any, each in one turn
+    # of the loop (each turn took the GIL from the consumer again).
+    tasks: list[str] = []
+    spawn = TaskSet.spawn
+
+    def spawned(self: TaskSet, coro: Any, *, name: str, detached: bool = False) -> Any:
+        tasks.append(name)
+        return spawn(self, coro, name=name, detached=detached)
+
+    monkeypatch.setattr(TaskSet, "spawn", spawned)
     ds.set_epoch(1)
     got = []
     for number, key in enumerate(ds):
@@ -162,11 +174,15 @@ def test_a_warm_epoch_takes_staged_batches_without_trips_to_the_loop(
     # Opening, the first batch, closing (and at most one batch not staged in time), where
     # a trip per batch would make 13.
     assert trips <= 4, trips
-    # After the first run fills the stage, the consumer wakes the loop as it takes each
-    # batch, and each run stages the one batch taken: a short hold of the GIL, where runs
-    # of three (a wake-up when one batch was left) made the consumer wait for them.
+    # After the first run fills the stage, the consumer wakes the loop when one batch is
+    # left, and each run stages the three taken since: a wake-up every third batch, where
+    # one a batch cost the consumer a hand-over of the GIL each.
     assert runs[0] <= _dataset._STAGED, runs
-    assert sorted(runs[1:])[len(runs[1:]) // 2] == 1, runs
+    restaged = _dataset._STAGED - _dataset._RESTAGE_AT
+    assert sorted(runs[1:])[len(runs[1:]) // 2] == restaged == 3, runs
+    # A trip's take() refills the window in the background: a task per trip at most.
+    assert len(tasks) <= trips, (tasks, trips)
+    assert set(tasks) <= {"prefetch refill"}, tasks
     stats = ds.stats()
     assert stats is not None
     assert stats.prefetch is not None
