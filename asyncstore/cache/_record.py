@@ -54,35 +54,73 @@ def decode(
     # Anything unexpected in a file is damage: whatever fails while reading it (a length that
     # runs past the end, bytes that do not decode) must be dropped and refetched, not raised.
     try:
-        return _decode_checked(raw, identity, key)
+        view = memoryview(raw)
+        digest, length, id_len, key_len, start = _header(view, key)
+        if len(view) != start + length:
+            raise IntegrityError(
+                f"cache entry for {key!r} holds {len(view) - start} payload bytes, expected "
+                f"{length}"
+            )
+        if xxhash.xxh3_64_intdigest(view[CHECKED_FROM:]) != digest:
+            raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
+        etag = _etag(view, id_len, key_len, start, identity, key)
+        return bytes(view[start:]), etag
     except IntegrityError:
         raise
     except Exception as exc:
         raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
 
 
-def _decode_checked(
-    raw: bytes | bytearray | memoryview, identity: bytes, key: str
-) -> tuple[bytes, str | None]:
-    if len(raw) < HEADER.size:
-        raise IntegrityError(f"cache entry for {key!r} is truncated ({len(raw)} bytes)")
-    magic, version, digest, length, id_len, key_len, etag_len = HEADER.unpack_from(raw)
+def decode_parts(
+    head: bytes | bytearray | memoryview, payload: bytes, identity: bytes, key: str
+) -> tuple[bytes, str | None] | None:
+    """:func:`decode` for a record read in two parts: ``head``, as many bytes as its reader
+    expected to precede the payload, and ``payload``, the rest, given back as it is (no
+    copy). None if the record's header says that the payload starts elsewhere (the reader
+    expected an ETag of another length): read it whole then.
+
+    Raises:
+        IntegrityError: as :func:`decode`.
+    """
+    try:
+        view = memoryview(head)
+        digest, length, id_len, key_len, start = _header(view, key)
+        if start != len(view):
+            return None
+        if len(payload) != length:
+            raise IntegrityError(
+                f"cache entry for {key!r} holds {len(payload)} payload bytes, expected {length}"
+            )
+        checksum = xxhash.xxh3_64(view[CHECKED_FROM:])
+        checksum.update(payload)
+        if checksum.intdigest() != digest:
+            raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
+        return payload, _etag(view, id_len, key_len, start, identity, key)
+    except IntegrityError:
+        raise
+    except Exception as exc:
+        raise IntegrityError(f"cache entry for {key!r} cannot be decoded ({exc})") from exc
+
+
+def _header(view: memoryview, key: str) -> tuple[int, int, int, int, int]:
+    # The header's checksum, payload length, source and key lengths, and where the payload
+    # starts.
+    if len(view) < HEADER.size:
+        raise IntegrityError(f"cache entry for {key!r} is truncated ({len(view)} bytes)")
+    magic, version, digest, length, id_len, key_len, etag_len = HEADER.unpack_from(view)
     if magic != MAGIC or version != VERSION:
         raise IntegrityError(f"cache entry for {key!r} has an unknown format")
-    start = HEADER.size + id_len + key_len + etag_len
-    if len(raw) != start + length:
-        raise IntegrityError(
-            f"cache entry for {key!r} holds {len(raw) - start} payload bytes, expected {length}"
-        )
-    view = memoryview(raw)
-    if xxhash.xxh3_64_intdigest(view[CHECKED_FROM:]) != digest:
-        raise IntegrityError(f"cache entry for {key!r} does not match its checksum")
+    return digest, length, id_len, key_len, HEADER.size + id_len + key_len + etag_len
+
+
+def _etag(
+    view: memoryview, id_len: int, key_len: int, start: int, identity: bytes, key: str
+) -> str | None:
+    # The ETag, once the record's source and key are checked (after its checksum matched).
     at = HEADER.size
     if view[at : at + id_len] != identity:
         raise IntegrityError(f"cache entry for {key!r} belongs to another store")
     at += id_len
     if view[at : at + key_len] != key.encode():
         raise IntegrityError(f"cache entry for {key!r} belongs to another key")
-    at += key_len
-    etag = bytes(view[at:start]).decode() or None
-    return bytes(view[start:]), etag
+    return bytes(view[at + key_len : start]).decode() or None

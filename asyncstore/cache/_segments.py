@@ -140,6 +140,46 @@ class SegmentReader:
             BlockingIOError: not all of it is in the page cache (``flags``: ``RWF_NOWAIT``).
             OSError: the read failed.
         """
+        fd = self._descriptor(path, segment, offset, size, key)
+        if fd is None:
+            return None
+        if len(self._buffer) < size:
+            self._buffer = bytearray(size)  # a new one: a view of the old may still be out
+        view = memoryview(self._buffer)[:size]
+        if os.preadv(fd, [view], offset, flags) != size:
+            raise BlockingIOError("only part of the record is in the page cache")
+        return view
+
+    def read_parts(
+        self, path: str, segment: int, offset: int, size: int, key: str, head: int, flags: int
+    ) -> tuple[memoryview, bytes] | None:
+        """:meth:`read` in two parts: the record's first ``head`` bytes (valid until the next
+        call), read with ``flags``, and the rest, read straight into the bytes object it
+        comes in (no copy of it afterwards). Only the first part's read heeds ``flags``:
+        with ``RWF_NOWAIT``, a record whose first bytes are in the page cache and the rest
+        not waits for the disk, as a plain read would.
+
+        Raises:
+            IntegrityError: the record lies outside the segment, or its file ends before it.
+            BlockingIOError: not all of the first part is in the page cache.
+            OSError: a read failed.
+        """
+        fd = self._descriptor(path, segment, offset, size, key)
+        if fd is None:
+            return None
+        if len(self._buffer) < head:
+            self._buffer = bytearray(head)
+        view = memoryview(self._buffer)[:head]
+        if os.preadv(fd, [view], offset, flags) != head:
+            raise BlockingIOError("only part of the record is in the page cache")
+        rest = os.pread(fd, size - head, offset + head)
+        if len(rest) != size - head:
+            raise IntegrityError(f"cache entry for {key!r} runs past the end of its segment")
+        return view, rest
+
+    def _descriptor(self, path: str, segment: int, offset: int, size: int, key: str) -> int | None:
+        # An open descriptor on the segment holding the record (kept, or opened and kept),
+        # or None if the segment is gone.
         self._reads += 1
         if self._reads % self.SWEEP == 0:
             self._sweep()
@@ -154,12 +194,7 @@ class SegmentReader:
         self._open[segment] = kept  # the most recent last
         if len(self._open) > self.KEEP:
             os.close(self._open.pop(next(iter(self._open)))[0])
-        if len(self._buffer) < size:
-            self._buffer = bytearray(size)  # a new one: a view of the old may still be out
-        view = memoryview(self._buffer)[:size]
-        if os.preadv(kept[0], [view], offset, flags) != size:
-            raise BlockingIOError("only part of the record is in the page cache")
-        return view
+        return kept[0]
 
     def _sweep(self) -> None:
         # Close the descriptors of segments whose files are gone.

@@ -14,6 +14,7 @@ import pytest
 import asyncstore
 from asyncstore.cache import TieredCache
 from asyncstore.cache._disk import DiskTier
+from asyncstore.cache._record import decode, decode_parts, encode_head
 from asyncstore.stores import drop_memory_store
 
 from ..conftest import unique
@@ -135,3 +136,37 @@ def test_a_crafted_index_row_is_damage_not_an_allocation(
         assert tier.read("data/k") is None  # dropped
     finally:
         tier.close()
+
+
+def test_every_flipped_byte_is_caught_in_a_record_read_in_two_parts() -> None:
+    # decode_parts, the read of a large record's payload straight into its bytes: a flipped
+    # byte in the head either moves where the payload starts (None: the reader reads the
+    # record whole, and decode catches it) or fails a check; one in the payload fails the
+    # checksum.
+    identity, key, etag = b"memory://source/prefix", "data/k", '"0123456789abcdef"'
+    payload = os.urandom(20_000)
+    head = encode_head(identity, key, payload, etag)
+    assert decode_parts(head, payload, identity, key) == (payload, etag)
+    assert decode_parts(head, payload, identity, key)[0] is payload  # type: ignore[index]
+    positions = [*range(len(head)), *range(len(head), len(head) + len(payload), 97)]
+    positions.append(len(head) + len(payload) - 1)
+    for position in positions:
+        for flip in (0x01, 0x80, 0xFF):
+            raw = bytearray(head + payload)
+            raw[position] ^= flip
+            parts = bytes(raw[: len(head)]), bytes(raw[len(head) :])
+            try:
+                got = decode_parts(*parts, identity, key)
+            except asyncstore.IntegrityError:
+                continue
+            assert got is None, (position, flip)
+            with pytest.raises(asyncstore.IntegrityError):
+                decode(raw, identity, key)
+    # Parts of other lengths than the record's: the payload cut short or run long.
+    with pytest.raises(asyncstore.IntegrityError, match="payload bytes"):
+        decode_parts(head, payload[:-1], identity, key)
+    with pytest.raises(asyncstore.IntegrityError, match="payload bytes"):
+        decode_parts(head, payload + b"x", identity, key)
+    assert decode_parts(head[:-1], head[-1:] + payload, identity, key) is None
+    with pytest.raises(asyncstore.IntegrityError, match="another key"):
+        decode_parts(head, payload, identity, "data/j")

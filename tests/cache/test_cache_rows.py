@@ -9,11 +9,14 @@ import contextlib
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
 from asyncstore.cache import DiskRow, RowPrefetcher, RowReader, TieredCache
+from asyncstore.cache._record import HEADER
+from asyncstore.cache._segments import SegmentReader
 
 from .conftest import CountingStore, KiB
 
@@ -215,3 +218,97 @@ async def test_a_forked_child_closes_the_readers_descriptors(
         _, status = await anyio.to_thread.run_sync(os.waitpid, pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         assert reader._reader._open  # the parent's are untouched
+
+
+BIG = [f"big/{i}" for i in range(4)]
+
+
+def big_value(i: int) -> bytes:
+    return bytes((i + j) % 256 for j in range(256)) * 256  # 64 KiB: past SPLIT_FROM
+
+
+@contextlib.asynccontextmanager
+async def big_rows(
+    source: CountingStore, directory: Path
+) -> AsyncIterator[tuple[TieredCache, list[DiskRow], RowReader]]:
+    """BIG warmed into the disk tier, as warm_rows does KEYS."""
+    for i, key in enumerate(BIG):
+        await source.put(key, big_value(i))
+    async with TieredCache(
+        source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20
+    ) as cache:
+        for key in BIG:
+            await cache.get(key)
+        await cache.flush()
+    async with cold_cache(source, directory) as cache:
+        rows = cache.get_ready_rows(BIG)
+        assert all(isinstance(row, DiskRow) for row in rows)
+        reader = cache.row_reader()
+        assert reader is not None
+        try:
+            yield cache, rows, reader  # type: ignore[misc]
+        finally:
+            reader.close()
+
+
+async def test_large_records_are_read_in_two_parts_straight_into_their_bytes(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first record is read whole (its ETag's length unknown), the next ones in two parts:
+    # the payload comes in the bytes object that os.pread made, with no copy after it.
+    calls: list[str] = []
+    read, read_parts = SegmentReader.read, SegmentReader.read_parts
+    payloads: list[bytes] = []
+    real_pread = os.pread
+
+    def spy_pread(fd: int, size: int, offset: int) -> bytes:
+        payloads.append(real_pread(fd, size, offset))
+        return payloads[-1]
+
+    def spy_read(self: SegmentReader, *args: Any) -> Any:
+        calls.append("whole")
+        return read(self, *args)
+
+    def spy_parts(self: SegmentReader, *args: Any) -> Any:
+        calls.append("parts")
+        return read_parts(self, *args)
+
+    monkeypatch.setattr(SegmentReader, "read", spy_read)
+    monkeypatch.setattr(SegmentReader, "read_parts", spy_parts)
+    monkeypatch.setattr(os, "pread", spy_pread)
+    async with big_rows(source, tmp_path) as (cache, rows, reader):
+        got = [reader.read(row) for row in rows]
+        assert got == [big_value(i) for i in range(len(BIG))]
+        assert calls == ["whole"] + ["parts"] * (len(BIG) - 1)
+        assert all(a is b for a, b in zip(got[1:], payloads, strict=True))
+        reader._etag_len = 3  # an ETag of another length than the record's: read whole
+        calls.clear()
+        assert reader.read(rows[0]) == big_value(0)
+        assert calls == ["parts", "whole"]
+        cache.settle(list(zip(rows, got, strict=True)))  # type: ignore[arg-type]
+        assert cache.stats().disk.hits == len(BIG)
+
+
+@pytest.mark.parametrize("where", ["payload", "etag length"])
+async def test_a_damaged_large_record_is_not_read_in_parts_either(
+    source: CountingStore, tmp_path: Path, where: str
+) -> None:
+    async with big_rows(source, tmp_path) as (cache, rows, reader):
+        assert reader.read(rows[0]) == big_value(0)  # the ETag's length learned
+        row = rows[1]
+        assert isinstance(row, DiskRow)
+        path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
+        # The last payload byte, or the header's ETag length (the record's last header
+        # field): the payload would then start elsewhere than the reader expects.
+        at = row.offset + (row.size - 1 if where == "payload" else HEADER.size - 4)
+        with path.open("r+b") as f:
+            f.seek(at)
+            old = f.read(1)
+            f.seek(at)
+            f.write(bytes([old[0] ^ 0x01]))
+        assert reader.read(row) is None
+        assert reader.read(rows[2]) == big_value(2)  # its neighbours read as before
+        source.gets.clear()
+        assert await cache.get(BIG[1]) == big_value(1)
+        assert [key for key, _, _ in source.gets] == [BIG[1]]  # fetched again
+        assert cache.stats().disk.corrupt == 1
