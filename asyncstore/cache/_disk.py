@@ -431,7 +431,8 @@ class DiskTier:
             parts = reader.read_parts(path, segment, offset, size, key, head, _RWF_NOWAIT)
             if parts is None:
                 return None
-            hit = decode_parts(*parts, self._identity_bytes, key)
+            first, rest = parts
+            hit = None if rest is None else decode_parts(first, rest, self._identity_bytes, key)
             if hit is not None:
                 self._touch(segment)
                 return hit

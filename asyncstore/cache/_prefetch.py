@@ -161,6 +161,9 @@ class Prefetcher(AsyncResource):
         self._tasks = TaskSet("the Prefetcher")  # fetches and refills
         self._filling = asyncio.Lock()
         self._exhausted = False
+        # What reading the plan raised: the plan ends there, and the consumer gets the error
+        # after the items of the keys read before it.
+        self._plan_error: Exception | None = None
         self._ready_bytes = 0
         self._avg_size: float | None = None
         self._items = self._skipped = self._fetched = self._stalls = 0
@@ -198,7 +201,7 @@ class Prefetcher(AsyncResource):
         while True:
             await self._fill()
             if not self._window:
-                await self.aclose()
+                await self._end()
                 raise StopAsyncIteration
             item = await self._pop()
             if item is not None:
@@ -293,14 +296,34 @@ class Prefetcher(AsyncResource):
                 batch.append(await anext(keys))
         except StopAsyncIteration:
             self._exhausted = True
+        except Exception as exc:
+            self._plan_failed(exc)
         self._planned(batch)
 
     def _read_plan_now(self) -> None:
         # _read_plan for a plan that is a plain iterable: no await.
         want = self._plan_want()
-        batch = list(islice(cast("Iterator[str]", self._keys), want))
-        self._exhausted = len(batch) < want
+        batch: list[str] = []
+        try:
+            batch.extend(islice(cast("Iterator[str]", self._keys), want))  # kept if it raises
+        except Exception as exc:
+            self._plan_failed(exc)
+        else:
+            self._exhausted = len(batch) < want
         self._planned(batch)
+
+    def _plan_failed(self, exc: Exception) -> None:
+        # The plan raised while read: it ends here (the keys read before stay planned).
+        self._plan_error = exc
+        self._exhausted = True
+
+    async def _end(self) -> None:
+        # The window is empty and the plan read to its end: close, raising the error that
+        # ended the plan, if one did.
+        error, self._plan_error = self._plan_error, None
+        await self.aclose()
+        if error is not None:
+            raise error
 
     def _plan_want(self) -> int:
         return _PLAN_READ if self._plan_cache is not None else max(64, self._depth)
@@ -475,7 +498,9 @@ class Prefetcher(AsyncResource):
             if not self._window:
                 await self._fill()
                 if not self._window:
-                    await self.aclose()  # the end of the plan
+                    if self._plan_error is not None and (items or not least):
+                        break  # what came before the plan's error first
+                    await self._end()  # the end of the plan
                     break
             head = self._window[0][1]
             if not isinstance(head, asyncio.Future):

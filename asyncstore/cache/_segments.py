@@ -20,6 +20,7 @@ from pathlib import Path
 
 from .._iov import IOV_MAX, advance
 from ..errors import IntegrityError
+from ._record import payload_start
 
 SEGMENTS = "segments"
 """The folder of the segment files, inside the tier's directory."""
@@ -152,12 +153,13 @@ class SegmentReader:
 
     def read_parts(
         self, path: str, segment: int, offset: int, size: int, key: str, head: int, flags: int
-    ) -> tuple[memoryview, bytes] | None:
+    ) -> tuple[memoryview, bytes | None] | None:
         """:meth:`read` in two parts: the record's first ``head`` bytes (valid until the next
         call), read with ``flags``, and the rest, read straight into the bytes object it
-        comes in (no copy of it afterwards). Only the first part's read heeds ``flags``:
-        with ``RWF_NOWAIT``, a record whose first bytes are in the page cache and the rest
-        not waits for the disk, as a plain read would.
+        comes in (no copy of it afterwards); the rest is None, and not read, when the
+        record's header puts its payload elsewhere than after ``head`` bytes. Only the first
+        part's read heeds ``flags``: with ``RWF_NOWAIT``, a record whose first bytes are in
+        the page cache and the rest not waits for the disk, as a plain read would.
 
         Raises:
             IntegrityError: the record lies outside the segment, or its file ends before it.
@@ -172,6 +174,8 @@ class SegmentReader:
         view = memoryview(self._buffer)[:head]
         if os.preadv(fd, [view], offset, flags) != head:
             raise BlockingIOError("only part of the record is in the page cache")
+        if payload_start(view) != head:
+            return view, None
         rest = os.pread(fd, size - head, offset + head)
         if len(rest) != size - head:
             raise IntegrityError(f"cache entry for {key!r} runs past the end of its segment")

@@ -662,6 +662,7 @@ class _Session:
         self._failed: BaseException | None = None  # raised by the consumer's next call
         self._taking = asyncio.Lock()  # one take at a time: batches keep the plan's order
         self._most = _BATCH
+        self._error: Exception | None = None  # staging's: raised once the batches before it go
         # Set by the consumer when it wakes the loop, cleared by the loop when it wakes: no
         # second wake-up while one is on its way (each costs a write to the loop's socket).
         self._waking = False
@@ -752,8 +753,11 @@ class _Session:
         self._settle()
         async with self._taking:
             # A batch staged while this call waited for the lock comes first.
-            items = self._staged.popleft() if self._staged else None
-            if items is None:
+            if self._staged:
+                items = self._staged.popleft()
+            elif self._error is not None:
+                raise self._error
+            else:
                 items = await self.prefetcher.take_rows(most, least=least)
         self._stage()
         return items
@@ -766,8 +770,12 @@ class _Session:
         if self._taking.locked() or self.prefetcher.closed:
             return
         staged = 0  # bytes staged by this call (the consumer takes from the deque meanwhile)
-        while len(self._staged) < _STAGED and staged < _STAGED_BYTES:
-            items = self.prefetcher.take_rows_nowait(self._most)
+        while len(self._staged) < _STAGED and staged < _STAGED_BYTES and self._error is None:
+            try:
+                items = self.prefetcher.take_rows_nowait(self._most)
+            except Exception as exc:  # a callback's error would reach no one: the consumer's
+                self._error = exc
+                return
             if not items:
                 return
             self._staged.append(items)

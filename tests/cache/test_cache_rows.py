@@ -281,10 +281,12 @@ async def test_large_records_are_read_in_two_parts_straight_into_their_bytes(
         assert got == [big_value(i) for i in range(len(BIG))]
         assert calls == ["whole"] + ["parts"] * (len(BIG) - 1)
         assert all(a is b for a, b in zip(got[1:], payloads, strict=True))
-        reader._etag_len = 3  # an ETag of another length than the record's: read whole
+        reader._etag_len = 3  # an ETag of another length than the record's: read whole,
         calls.clear()
+        preads = len(payloads)
         assert reader.read(rows[0]) == big_value(0)
         assert calls == ["parts", "whole"]
+        assert len(payloads) == preads  # its payload read once, not first in part
         cache.settle(list(zip(rows, got, strict=True)))  # type: ignore[arg-type]
         assert cache.stats().disk.hits == len(BIG)
 

@@ -313,6 +313,70 @@ async def test_take_nowait_gives_what_is_ready_without_a_task_when_all_is_local(
     assert prefetcher.stats().stalls == 0
 
 
+class FailingPlan:
+    """A plan of ``keys`` that raises once when it reaches ``at`` (a listing page that
+    failed, say), and would go on after it."""
+
+    def __init__(self, keys: list[str], at: int) -> None:
+        self.keys, self.at, self.next, self.failed = keys, at, 0, False
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        if self.next == self.at and not self.failed:
+            self.failed = True
+            raise OSError("the plan's listing failed")
+        if self.next == len(self.keys):
+            raise StopIteration
+        self.next += 1
+        return self.keys[self.next - 1]
+
+    def __aiter__(self) -> FailingPlan:
+        return self
+
+    async def __anext__(self) -> str:
+        await anyio.lowlevel.checkpoint()
+        try:
+            return next(self)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+@pytest.mark.parametrize("plan", ["sync", "async"])
+@pytest.mark.parametrize("call", ["take", "take_nowait", "async for"])
+async def test_an_error_reading_the_plan_comes_after_the_items_before_it(
+    slow: SlowStore, plan: str, call: str
+) -> None:
+    # The plan ends where it raised: every key read before the error comes, in order, then
+    # the error from a call that waits (never lost in a background refill, never taking
+    # items already counted as given along with it).
+    slow.delay, slow.jitter = 0.0, 0.0
+    keys = [f"k{i:03d}" for i in range(150)]
+    failing = FailingPlan(keys, 100)
+    source: AsyncIterator[str] | Iterator[str] = failing if plan == "sync" else aiter(failing)
+    async with TieredCache(slow, memory_bytes=1 << 20) as cache:
+        assert await cache.warm(keys) == 150
+        async with Prefetcher(cache, source, lookahead=8) as prefetcher:
+            got: list[str] = []
+            with pytest.raises(OSError, match="listing failed"):
+                if call == "async for":
+                    async for key, _ in prefetcher:
+                        got.append(key)
+                for _ in range(1000):
+                    if call == "take_nowait":
+                        batch = prefetcher.take_nowait(16)
+                        if batch:
+                            got += [key for key, _ in batch]
+                            continue
+                        await anyio.lowlevel.checkpoint()
+                    got += [key for key, _ in await prefetcher.take(16)]
+            assert got == keys[:100]
+            assert prefetcher.stats().items == 100
+            assert prefetcher.closed
+            assert await prefetcher.take(16) == []
+
+
 @pytest.mark.parametrize("most", [0, -1, True, 2.0, "3"])
 async def test_take_nowait_refuses_a_bad_count(slow: SlowStore, most: object) -> None:
     async with Prefetcher(slow, ["k001"]) as prefetcher:

@@ -119,6 +119,70 @@ def test_no_workers_and_stats(dataset_dir: Path) -> None:
     assert (state["epoch"], state["consumed"], state["seed"]) == (0, SAMPLES, 1)
 
 
+@pytest.mark.parametrize("failing", [3, 8])
+def test_an_error_reading_the_plan_reaches_the_consumer_after_the_samples_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
+) -> None:
+    # The key index fails as the plan is read: on the consumer's trip (the 3rd read of keys)
+    # or while the loop stages ahead on a wake-up (the 8th). Either way the consumer gets
+    # every sample before it, in order, then the error: none lost, no early end.
+    from asyncstore.torch import _keyindex
+
+    for i in range(6000):
+        (tmp_path / "d" / "s").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / "s" / f"{i:04d}").write_bytes(f"s/{i:04d}".encode())
+    ds = closed_after_test(StreamingDataset(tmp_path / "d", decode=key_of))
+    assert len(list(ds)) == 6000  # warm
+    reads = 0
+    take = _keyindex.KeyIndex.take
+
+    def failing_take(self: Any, part: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        if reads == failing:
+            raise OSError("the key index could not be read")
+        return take(self, part)
+
+    monkeypatch.setattr(_keyindex.KeyIndex, "take", failing_take)
+    ds.set_epoch(1)
+    got: list[str] = []
+    with pytest.raises(OSError, match="key index could not be read"):
+        for key in ds:
+            got.append(key)
+    # Keys are read 512 at a time: the samples of the reads before the failed one.
+    assert got == ds.plan(1)[: 512 * (failing - 1)]
+
+
+def test_an_error_while_the_loop_stages_reaches_the_consumer_after_the_staged_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Staging runs in a callback on the loop, where an exception would reach no one: the
+    # consumer gets it once the batches staged before it are used, in order.
+    from asyncstore.cache import RowPrefetcher
+
+    for i in range(1000):
+        (tmp_path / "d" / "s").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / "s" / f"{i:04d}").write_bytes(f"s/{i:04d}".encode())
+    ds = closed_after_test(StreamingDataset(tmp_path / "d", decode=key_of))
+    assert len(list(ds)) == 1000  # warm
+    calls = 0
+    take = RowPrefetcher.take_rows_nowait
+
+    def failing(self: RowPrefetcher, most: int) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 6:
+            raise RuntimeError("the cache broke while staging")
+        return take(self, most)
+
+    monkeypatch.setattr(RowPrefetcher, "take_rows_nowait", failing)
+    got: list[str] = []
+    with pytest.raises(RuntimeError, match="broke while staging"):
+        for key in ds:
+            got.append(key)
+    assert got == ds.plan(0)[: 64 * (1 + 5)]  # the first trip's batch, then five staged
+
+
 def test_a_warm_epoch_takes_staged_batches_without_trips_to_the_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
