@@ -29,12 +29,12 @@ def value(i: int) -> bytes:
     return bytes([i]) * (10 * KiB)  # what CountingStore serves for obj/00i
 
 
-async def warm(source: CountingStore, directory: Path) -> None:
-    """Put KEYS in the disk tier of ``directory``, through a cache that is then closed."""
+async def warm(source: CountingStore, directory: Path, keys: list[str] = KEYS) -> None:
+    """Put ``keys`` in the disk tier of ``directory``, through a cache that is then closed."""
     async with TieredCache(
         source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20
     ) as cache:
-        for key in KEYS:
+        for key in keys:
             await cache.get(key)
         await cache.flush()
 
@@ -46,15 +46,15 @@ def cold_cache(source: CountingStore, directory: Path) -> TieredCache:
 
 @contextlib.asynccontextmanager
 async def warm_rows(
-    source: CountingStore, directory: Path
+    source: CountingStore, directory: Path, keys: list[str] = KEYS
 ) -> AsyncIterator[tuple[TieredCache, list[DiskRow], RowReader]]:
-    """KEYS warmed into the disk tier of ``directory``; a new cache over it, every key's
+    """``keys`` warmed into the disk tier of ``directory``; a new cache over it, every key's
     row (none in memory), and a reader for them, closed afterwards."""
-    await warm(source, directory)
+    await warm(source, directory, keys)
     async with cold_cache(source, directory) as cache:
-        found = cache.get_ready_rows(KEYS)
+        found = cache.get_ready_rows(keys)
         rows = [row for row in found if isinstance(row, DiskRow)]
-        assert len(rows) == len(KEYS)
+        assert len(rows) == len(keys)
         reader = cache.row_reader()
         assert reader is not None
         try:
@@ -115,23 +115,14 @@ async def test_a_row_whose_segment_is_gone_is_not_read(
         assert reader.cold == 0
 
 
-async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
-    source: CountingStore, tmp_path: Path
-) -> None:
-    async with warm_rows(source, tmp_path) as (cache, rows, reader):
-        row = rows[2]
-        path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
-        with path.open("r+b") as f:  # one payload byte flipped
-            f.seek(row.offset + row.size - 1)
-            last = f.read(1)
-            f.seek(row.offset + row.size - 1)
-            f.write(bytes([last[0] ^ 0xFF]))
-        assert reader.read(row) is None
-        assert reader.read(rows[3]) == value(3)  # its neighbours read as before
-        source.gets.clear()
-        assert await cache.get(KEYS[2]) == value(2)
-        assert [key for key, _, _ in source.gets] == [KEYS[2]]  # fetched again
-        assert cache.stats().disk.corrupt == 1
+def flip(cache: TieredCache, row: DiskRow, at: int, mask: int) -> None:
+    """Flip the bits ``mask`` of the byte ``at`` of ``row``'s record, in its segment file."""
+    path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
+    with path.open("r+b") as f:
+        f.seek(row.offset + at)
+        old = f.read(1)
+        f.seek(row.offset + at)
+        f.write(bytes([old[0] ^ mask]))
 
 
 async def test_a_row_not_in_the_page_cache_is_counted_cold(
@@ -152,14 +143,21 @@ async def test_a_row_not_in_the_page_cache_is_counted_cold(
         assert reader.read(rows[0]) == value(0)
 
 
+@contextlib.asynccontextmanager
+async def row_prefetcher(source: CountingStore, directory: Path) -> AsyncIterator[RowPrefetcher]:
+    """A RowPrefetcher over KEYS, warm on the disk tier of ``directory`` (none in memory)."""
+    await warm(source, directory)
+    async with (
+        cold_cache(source, directory) as cache,
+        RowPrefetcher(cache, KEYS, lookahead=2) as prefetcher,
+    ):
+        yield prefetcher
+
+
 async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
     source: CountingStore, tmp_path: Path
 ) -> None:
-    await warm(source, tmp_path)
-    async with (
-        cold_cache(source, tmp_path) as cache,
-        RowPrefetcher(cache, KEYS, lookahead=2) as prefetcher,
-    ):
+    async with row_prefetcher(source, tmp_path) as prefetcher:
         first = await prefetcher.take_rows(2, least=2)
         assert [key for key, _ in first] == KEYS[:2]
         assert all(isinstance(item, DiskRow) for _, item in first)
@@ -174,11 +172,7 @@ async def test_a_row_prefetcher_hands_on_rows_until_told_not_to(
 async def test_a_row_prefetcher_takes_rows_without_awaiting_and_refuses_plain_takes(
     source: CountingStore, tmp_path: Path
 ) -> None:
-    await warm(source, tmp_path)
-    async with (
-        cold_cache(source, tmp_path) as cache,
-        RowPrefetcher(cache, KEYS, lookahead=2) as prefetcher,
-    ):
+    async with row_prefetcher(source, tmp_path) as prefetcher:
         got = prefetcher.take_rows_nowait(len(KEYS))
         assert [key for key, _ in got] == KEYS
         assert all(isinstance(item, DiskRow) for _, item in got)
@@ -231,24 +225,11 @@ def big_value(i: int) -> bytes:
 async def big_rows(
     source: CountingStore, directory: Path
 ) -> AsyncIterator[tuple[TieredCache, list[DiskRow], RowReader]]:
-    """BIG warmed into the disk tier, as warm_rows does KEYS."""
+    """BIG, of 64 KiB each, warmed as warm_rows does."""
     for i, key in enumerate(BIG):
         await source.put(key, big_value(i))
-    async with TieredCache(
-        source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20
-    ) as cache:
-        for key in BIG:
-            await cache.get(key)
-        await cache.flush()
-    async with cold_cache(source, directory) as cache:
-        rows = cache.get_ready_rows(BIG)
-        assert all(isinstance(row, DiskRow) for row in rows)
-        reader = cache.row_reader()
-        assert reader is not None
-        try:
-            yield cache, rows, reader  # type: ignore[misc]
-        finally:
-            reader.close()
+    async with warm_rows(source, directory, BIG) as warmed:
+        yield warmed
 
 
 async def test_large_records_are_read_in_two_parts_straight_into_their_bytes(
@@ -291,26 +272,24 @@ async def test_large_records_are_read_in_two_parts_straight_into_their_bytes(
         assert cache.stats().disk.hits == len(BIG)
 
 
-@pytest.mark.parametrize("where", ["payload", "etag length"])
-async def test_a_damaged_large_record_is_not_read_in_parts_either(
-    source: CountingStore, tmp_path: Path, where: str
+@pytest.mark.parametrize(
+    "case", ["small record", "large record, payload", "large record, ETag length"]
+)
+async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
+    source: CountingStore, tmp_path: Path, case: str
 ) -> None:
-    async with big_rows(source, tmp_path) as (cache, rows, reader):
-        assert reader.read(rows[0]) == big_value(0)  # the ETag's length learned
+    # A large record is read in two parts once the reader knows its ETags' length (after
+    # the first read): damage is caught there too, in the payload or in the header's ETag
+    # length (the header's last field: the payload would start elsewhere than expected).
+    large = case.startswith("large")
+    keys, of = (BIG, big_value) if large else (KEYS, value)
+    async with (big_rows if large else warm_rows)(source, tmp_path) as (cache, rows, reader):
+        assert reader.read(rows[0]) == of(0)
         row = rows[1]
-        assert isinstance(row, DiskRow)
-        path = Path(cache._disk.segment_path(row.segment))  # type: ignore[union-attr]
-        # The last payload byte, or the header's ETag length (the record's last header
-        # field): the payload would then start elsewhere than the reader expects.
-        at = row.offset + (row.size - 1 if where == "payload" else HEADER.size - 4)
-        with path.open("r+b") as f:
-            f.seek(at)
-            old = f.read(1)
-            f.seek(at)
-            f.write(bytes([old[0] ^ 0x01]))
+        flip(cache, row, HEADER.size - 4 if case.endswith("ETag length") else row.size - 1, 1)
         assert reader.read(row) is None
-        assert reader.read(rows[2]) == big_value(2)  # its neighbours read as before
+        assert reader.read(rows[2]) == of(2)  # its neighbours read as before
         source.gets.clear()
-        assert await cache.get(BIG[1]) == big_value(1)
-        assert [key for key, _, _ in source.gets] == [BIG[1]]  # fetched again
+        assert await cache.get(keys[1]) == of(1)
+        assert [key for key, _, _ in source.gets] == [keys[1]]  # fetched again
         assert cache.stats().disk.corrupt == 1

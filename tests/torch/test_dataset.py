@@ -119,6 +119,16 @@ def test_no_workers_and_stats(dataset_dir: Path) -> None:
     assert (state["epoch"], state["consumed"], state["seed"]) == (0, SAMPLES, 1)
 
 
+def warm_dataset(tmp_path: Path, samples: int) -> StreamingDataset[str]:
+    """A dataset of ``samples`` small files (each holding its key) read once: warm."""
+    for i in range(samples):
+        (tmp_path / "d" / "s").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "d" / "s" / f"{i:04d}").write_bytes(f"s/{i:04d}".encode())
+    ds = closed_after_test(StreamingDataset(tmp_path / "d", decode=key_of))
+    assert len(list(ds)) == samples
+    return ds
+
+
 @pytest.mark.parametrize("failing", [3, 8])
 def test_an_error_reading_the_plan_reaches_the_consumer_after_the_samples_before_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: int
@@ -128,11 +138,7 @@ def test_an_error_reading_the_plan_reaches_the_consumer_after_the_samples_before
     # every sample before it, in order, then the error: none lost, no early end.
     from asyncstore.torch import _keyindex
 
-    for i in range(6000):
-        (tmp_path / "d" / "s").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "d" / "s" / f"{i:04d}").write_bytes(f"s/{i:04d}".encode())
-    ds = closed_after_test(StreamingDataset(tmp_path / "d", decode=key_of))
-    assert len(list(ds)) == 6000  # warm
+    ds = warm_dataset(tmp_path, 6000)
     reads = 0
     take = _keyindex.KeyIndex.take
 
@@ -160,11 +166,7 @@ def test_an_error_while_the_loop_stages_reaches_the_consumer_after_the_staged_ba
     # consumer gets it once the batches staged before it are used, in order.
     from asyncstore.cache import RowPrefetcher
 
-    for i in range(1000):
-        (tmp_path / "d" / "s").mkdir(parents=True, exist_ok=True)
-        (tmp_path / "d" / "s" / f"{i:04d}").write_bytes(f"s/{i:04d}".encode())
-    ds = closed_after_test(StreamingDataset(tmp_path / "d", decode=key_of))
-    assert len(list(ds)) == 1000  # warm
+    ds = warm_dataset(tmp_path, 1000)
     calls = 0
     take = RowPrefetcher.take_rows_nowait
 
