@@ -625,7 +625,7 @@ class _Session:
     fetch, so the prefetcher's waits and stalls stay the consumer's own), up to 4 batches or
     64 MiB. Only when nothing is staged does the consumer make a trip and wait; it wakes the
     loop to stage the next batches once it has its own, not before: the first batch of a
-    warm epoch from the disk tier came 6.7 ms after the epoch's start instead of 8.1 (two
+    warm epoch from the disk tier came 6.7-6.9 ms after the epoch's start, not 8.1 (two
     thirds of the trip was the staging of the three batches after it).
 
     The consumer wakes the loop when one staged batch is left, and the loop stages the three
