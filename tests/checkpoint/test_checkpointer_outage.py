@@ -216,10 +216,18 @@ async def test_a_mirror_outage_during_an_upload_is_resumed_by_the_next_process(
             assert torch.equal(loaded["w"], weights(step))
 
     # The server comes back on the same data: what it held before the outage is there,
-    # and the interrupted upload never became a version.
+    # but for what retention deleted, and the interrupted upload never became a version.
+    # The local commit of OUTAGE_STEP makes step 1 a victim (keep_last=2 counts the local
+    # copy of OUTAGE_STEP), and that retention races with the server's stop: before it,
+    # step 1 goes from both stores (1 run of .ci/run in 4 on 2026-12-04); after it, the
+    # mirror cannot be listed and retention deletes nothing. Retention deletes a version
+    # here before the mirror, so a step 1 gone from the mirror is gone here too.
     server.start()
     proxy.upstream_port = server.s3_port
-    assert mirror_steps(server) == {1, 2}
+    on_mirror = mirror_steps(server)
+    assert on_mirror in ({1, 2}, {2}), on_mirror
+    if 1 not in on_mirror:
+        assert 1 not in local_steps(local)
     [interrupted] = unfinished_uploads(server)
     assert STEM in interrupted
 
