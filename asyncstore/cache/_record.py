@@ -106,12 +106,10 @@ def payload_start(head: bytes | bytearray | memoryview) -> int | None:
     """Where the payload of the record that begins with ``head`` starts, as its header says;
     None if ``head`` is too short to tell, or holds no header of this format (its reader
     then reads the record whole, and :func:`decode` says what is wrong)."""
-    if len(head) < HEADER.size:
+    try:
+        return _header(memoryview(head), "")[4]
+    except IntegrityError:
         return None
-    magic, version, _, _, id_len, key_len, etag_len = HEADER.unpack_from(head)
-    if magic != MAGIC or version != VERSION:
-        return None
-    return int(HEADER.size + id_len + key_len + etag_len)
 
 
 def _header(view: memoryview, key: str) -> tuple[int, int, int, int, int]:
