@@ -36,6 +36,7 @@ import contextlib
 import ctypes
 import gc
 import itertools
+import logging
 import mmap
 import os
 import shutil
@@ -669,6 +670,33 @@ def count_range(values: list[float]) -> str:
     return f"{low:.0f}" if low == high else f"{low:.0f}-{high:.0f}"
 
 
+class Warnings(logging.Handler):
+    """The warnings asyncstore logs during a benchmark (a failed upload's reason, above
+    all), kept for the report: a figure that counts failures should say what they were."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen[record.getMessage()] += 1
+
+    def report(self, say: Say) -> None:
+        """Say each distinct warning with its count, if there were any."""
+        if self.seen:
+            say()
+            say("Warnings logged by asyncstore:")
+            common = self.seen.most_common()
+            for message, count in common[:10]:
+                say(f"- {count} x {message}")
+            if len(common) > 10:
+                say(f"- and {len(common) - 10} other messages")
+
+
+WARNINGS = Warnings()
+logging.getLogger("asyncstore").addHandler(WARNINGS)
+
+
 def verdict(value: float, limit: float) -> str:
     return "PASS" if value <= limit else "MISS"
 
@@ -1171,6 +1199,7 @@ def run_mirror(
         sim = bench.simulate(steps, every, sim_rounds, thread_counts, pin)
         lost = bench.report_simulation(sim, steps, every, sim_rounds, thread_counts, pin)
         bench.report_goals(lost)
+        WARNINGS.report(say)
 
 
 def main() -> int:
