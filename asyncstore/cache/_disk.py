@@ -272,12 +272,18 @@ class DiskTier:
         unasked, until this process writes it or ``_ABSENT_SECONDS`` pass (a hint: the
         regular read path asks the index itself).
         """
+        wanted = [k for k in keys[start:stop] if type(k) is str and k not in skip]
+        self._expected = self._lookup(wanted)
+        return stop
+
+    def _lookup(self, wanted: list[str]) -> dict[str, tuple[int, int, int] | None]:
+        # expect()'s lookup of ``wanted``: each key's row, None where it has no entry; empty
+        # when the query failed (each read then asks on its own, and reports a damaged row).
         if (now := time.monotonic()) >= self._absent_until:  # others' writes show in time
             self._absent, self._absent_until = set(), now + _ABSENT_SECONDS
-        wanted = [k for k in keys[start:stop] if type(k) is str and k not in skip]
-        expected = self._expected = dict.fromkeys(wanted)  # None: no entry
+        expected: dict[str, tuple[int, int, int] | None] = dict.fromkeys(wanted)
         if not wanted:
-            return stop
+            return expected
         try:
             with self._read_lock:
                 kept = self._kept_rows()
@@ -296,8 +302,18 @@ class DiskTier:
                             kept[names[name]] = segment << 128 | offset << 64 | size
                     self._absent.update(names[name] for name in names.keys() - found.keys())
         except (sqlite3.Error, IntegrityError):
-            self._expected = {}  # each read asks on its own, and reports a damaged row
-        return stop
+            return {}
+        return expected
+
+    def rows_now(self, keys: list[str]) -> list[DiskRow | None]:
+        """:meth:`row_now` for each of ``keys`` (valid keys), found as
+        :meth:`expect` finds them, in one lookup: None for a key without an entry, and for
+        every key when the index is busy or damaged there, or this file system cannot read
+        without waiting (the regular read path handles each of those)."""
+        found = self._lookup(keys) if self._nowait else {}
+        if not found:
+            return [None] * len(keys)
+        return [None if (row := found[key]) is None else DiskRow(key, *row) for key in keys]
 
     def _kept_rows(self) -> dict[str, int]:
         # The rows kept from earlier lookups, if no entry was removed since; else none (and

@@ -60,6 +60,30 @@ class MemoryTier:
             pass
         return out
 
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of ``keys`` (``None`` where absent), marking nothing used; see
+        :meth:`use_run`.
+
+        Raises:
+            TypeError: a key is unhashable.
+        """
+        found = list(map(self._lru.get, keys))
+        if self._pinned and None in found:
+            pinned = self._pinned
+            found = [
+                pinned.get(key) if value is None else value
+                for key, value in zip(keys, found, strict=True)
+            ]
+        return found
+
+    def use_run(self, keys: Sequence[str]) -> None:
+        """Note reads of ``keys``, in order, hits and misses alike, as :meth:`get` notes
+        each: the hits are marked most recently used."""
+        lru = self._lru
+        for key in keys:
+            if key in lru:
+                lru.move_to_end(key)
+
     def put(self, key: str, value: bytes) -> bool:
         """Insert or replace ``key``; evict least recently used entries to stay in budget.
 

@@ -276,9 +276,62 @@ class PlanTier:
         self._cursor = cursor + follow
         return run
 
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each of ``keys`` (``None`` where absent), consuming no planned use;
+        see :meth:`use_run`.
+
+        Raises:
+            TypeError: a key is unhashable.
+        """
+        return list(map(self._values.get, keys))
+
+    def use_run(self, keys: Sequence[str]) -> None:
+        """Note reads of ``keys``, in order, hits and misses alike: each consumes its key's
+        nearest planned use, as :meth:`get` does. One list comparison while the reads follow
+        the plan as a list; else a loop over the keys without :meth:`get`'s calls."""
+        if self._lazy:
+            log, cursor = self._log, self._cursor
+            follow = min(len(keys), len(log) - cursor)
+            # Past the plan's end a read consumes no use (see _follows).
+            if log[cursor : cursor + follow] == list(keys[:follow]):
+                self._cursor = cursor + follow
+                return
+            for count, key in enumerate(keys):
+                if not self._follows(key):
+                    self._map()
+                    keys = keys[count:]
+                    break
+            else:
+                return
+        values, planned, pins, next_use = self._values, self._uses, self._pins, self._next
+        for key in keys:
+            if type(uses := planned.get(key)) is int:  # its only planned use: the common case
+                del planned[key]
+                then = _NEVER
+            elif uses is None:
+                then = _NEVER
+            else:
+                then = self._consume(key)
+            if key in values and key not in pins:
+                if self._heap is None:
+                    next_use[key] = then
+                else:
+                    self._schedule(key)
+
     def put(self, key: str, value: bytes) -> bool:
         """Insert ``key`` unless it would be the first entry to be evicted; False if not."""
         size = len(value)
+        if (
+            not self._lazy
+            and self.used + size > self.budget
+            and key not in self._uses
+            and key not in self._values
+            and key not in self._pins
+        ):
+            # Not planned again, and no room: refused at once (see below), the common case of
+            # a warm epoch's reads from the disk tier.
+            self.bypassed += 1
+            return False
         self.discard(key)
         pinned = key in self._pins
         if self.pinned_used + size > self.budget:

@@ -21,6 +21,7 @@ import os
 import sqlite3
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, Coroutine, Iterable, Sequence
+from operator import itemgetter
 from typing import Any, Literal, TypeVar, cast
 
 from .._concurrency import TaskSet, shield, to_thread, wait_shared
@@ -47,6 +48,10 @@ DISK_THREADS = 8
 
 T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
+
+
+_RUN_KEYS = 256
+"""Keys a run of warm reads looks up at a time (one index query for its disk hits)."""
 
 
 class TieredCache(AsyncResource):
@@ -245,11 +250,11 @@ class TieredCache(AsyncResource):
         self._gets += len(read)
         self._mem_stats.misses += len(read)
         self._disk_stats.hits += len(read)
-        self._disk_stats.bytes_served += sum(len(data) for _, data in read)
-        clears, generations = self._clears, self._generations
+        self._disk_stats.bytes_served += sum(map(len, map(itemgetter(1), read)))
+        clears, generations, put = self._clears, self._generations, self._memory.put
         for row, data in read:
-            if row.generation == (clears, generations.get(row.key, 0)):
-                self._promote(row.key, data)
+            if row.generation == (clears, generations.get(row.key, 0)) and not put(row.key, data):
+                self._mem_stats.bypassed += 1
         if self._disk is not None:
             self._flush_touches_soon(self._disk)
 
@@ -260,6 +265,13 @@ class TieredCache(AsyncResource):
         out: list[bytes | DiskRow] = []
         if self._state != "open" or self._validate != "none":
             return out
+        while rows and self._disk is not None and start < stop:
+            window = keys[start : min(stop, start + _RUN_KEYS)]
+            warm = self._rows_run(self._disk, window)
+            out += warm
+            start += len(warm)
+            if len(warm) < len(window):
+                break
         disk, ahead = self._disk, 0  # keys before ahead were looked up on disk
         while start < stop:
             run = self._memory.get_run(keys, start, stop)
@@ -282,6 +294,45 @@ class TieredCache(AsyncResource):
             start += 1
         if disk is not None and ahead:
             disk.expect(keys, 0, 0, ())  # the rows go stale once the loop moves on
+        return out
+
+    def _rows_run(self, disk: DiskTier, keys: Sequence[str]) -> list[bytes | DiskRow]:
+        # The leading run of ``keys`` in memory or on the disk (as rows), in a few passes
+        # over them all: the common warm-epoch window, at a fraction of _ready's loop per
+        # key. Stops before a key that needs more (queued for the disk tier, being fetched,
+        # not found, a block, not a valid key), which _ready's loop then takes up.
+        try:
+            if "\x00" in "".join(keys):  # a block's key; not a str: TypeError
+                return []
+            found = self._memory.peek_many(keys)
+        except TypeError:
+            return []
+        misses = [key for key, value in zip(keys, found, strict=True) if value is None]
+        out: list[bytes | DiskRow] = []
+        if misses:
+            try:
+                check_key_list(misses, self._store.url)
+            except InvalidArgument:
+                return []  # _ready's loop stops at the first invalid key
+            unwritten, inflight = self._writes.unwritten, self._inflight
+            clears, generations = self._clears, self._generations
+            rows = iter(disk.rows_now(misses))
+            for value in found:
+                if value is None:
+                    row = next(rows)
+                    if row is None or (key := row.key) in unwritten or key in inflight:
+                        break
+                    row.generation = (clears, generations.get(key, 0))
+                    out.append(row)
+                else:
+                    out.append(value)
+        else:
+            out = cast("list[bytes | DiskRow]", found)
+        self._memory.use_run(keys[: len(out)])
+        hits = [value for value in found[: len(out)] if value is not None]
+        self._gets += len(hits)
+        self._mem_stats.hits += len(hits)
+        self._mem_stats.bytes_served += sum(map(len, hits))
         return out
 
     def _ready_one(self, key: str, rows: bool = False) -> bytes | DiskRow | None:

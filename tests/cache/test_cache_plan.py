@@ -390,3 +390,74 @@ def test_the_budget_and_the_pins_hold_through_every_switch_of_the_plan(
         assert tier.used <= tier.budget
         assert tier.pinned_used == sum(len(held[k]) for k in cached if k in pinned)
         assert not (tier._lazy and tier._uses)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8)),
+            st.tuples(st.just("next"), st.integers(1, 6)),  # read the next planned keys
+            st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5)),
+            st.tuples(st.just("put"), st.tuples(st.sampled_from("abcdefg"), st.integers(1, 30))),
+            st.tuples(st.just("pin"), st.sampled_from("abcdefg")),
+            st.tuples(st.just("unpin"), st.sampled_from("abcdefg")),
+        ),
+        max_size=50,
+    ),
+    plan_tier=st.booleans(),
+)
+def test_a_run_of_reads_noted_at_once_is_a_get_per_key(
+    ops: list[tuple[str, object]], plan_tier: bool
+) -> None:
+    # peek_many then use_run (the warm window's lookups) against a get() per key: the same
+    # values, then the same tier, decision for decision, whatever it evicts and refuses.
+    one, each = (PlanTier(60), PlanTier(60)) if plan_tier else (MemoryTier(60), MemoryTier(60))
+    planned: list[str] = []
+    for op, arg in ops:
+        if op in ("next", "run"):
+            if op == "next":
+                assert isinstance(arg, int)
+                keys, planned = planned[:arg], planned[arg:]
+            else:
+                assert isinstance(arg, list)
+                keys = arg
+            peeked = one.peek_many(keys)
+            one.use_run(keys)
+            assert peeked == [each.get(key) for key in keys]
+        elif op == "plan":
+            assert isinstance(arg, list)
+            if isinstance(one, PlanTier) and isinstance(each, PlanTier):
+                one.extend(arg)
+                each.extend(arg)
+            planned += arg
+        elif op == "put":
+            assert isinstance(arg, tuple)
+            key, size = arg
+            assert one.put(key, key.encode() * size) == each.put(key, key.encode() * size)
+        elif op == "pin":
+            one.pin([str(arg)])
+            each.pin([str(arg)])
+        else:
+            one.unpin([str(arg)])
+            each.unpin([str(arg)])
+        assert sorted(one.keys()) == sorted(each.keys())
+        assert one.used == each.used
+        if isinstance(one, PlanTier) and isinstance(each, PlanTier):
+            assert upcoming_uses(one) == upcoming_uses(each)
+            if not one._lazy:  # each entry's next use, which chooses the next victim
+                assert one._next == each._next
+    if isinstance(one, MemoryTier) and isinstance(each, MemoryTier):
+        assert one.keys_by_recency() == each.keys_by_recency()
+
+
+def upcoming_uses(tier: PlanTier) -> dict[str, list[int]]:
+    """Each key's planned uses not yet read, by plan position, in either of the tier's forms."""
+    if not tier._lazy:
+        return {
+            key: [uses] if isinstance(uses, int) else list(uses) for key, uses in tier._uses.items()
+        }
+    out: dict[str, list[int]] = {}
+    for i, key in enumerate(tier._log[tier._cursor :]):
+        out.setdefault(key, []).append(tier._base + tier._cursor + i)
+    return out

@@ -293,3 +293,58 @@ async def test_a_damaged_record_is_not_read_and_the_regular_way_refetches_it(
         assert await cache.get(keys[1]) == of(1)
         assert [key for key, _, _ in source.gets] == [keys[1]]  # fetched again
         assert cache.stats().disk.corrupt == 1
+
+
+async def test_a_run_of_rows_stops_before_the_first_key_not_ready(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    # The run's memory hits and disk rows in the keys' order, up to a key that is neither:
+    # one not cached, one being fetched, one that is no key at all, a block's key.
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        await cache.get(KEYS[2])  # in memory; the rest of KEYS on disk only
+        for stop in ("obj/019", "bad//key", "obj/000\x00size.1", 7):
+            before = cache.stats()
+            got = cache.get_ready_rows([*KEYS[:4], stop, KEYS[4]])  # type: ignore[list-item]
+            assert got[2] == value(2)
+            rows = [got[i] for i in (0, 1, 3)]
+            assert [row.key for row in rows] == [KEYS[0], KEYS[1], KEYS[3]]  # type: ignore[union-attr]
+            assert len(got) == 4, stop
+            stats = cache.stats()
+            assert stats.memory.hits - before.memory.hits == 1
+            assert stats.memory.bytes_served - before.memory.bytes_served == 10 * KiB
+            assert stats.disk.hits == before.disk.hits  # rows count once settled
+        source.delay = 0.5
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.get, "obj/018")
+            await anyio.sleep(0.05)  # the fetch has begun
+            assert len(cache.get_ready_rows([KEYS[0], "obj/018", KEYS[1]])) == 1
+        assert cache.get_ready_rows(["obj/018", KEYS[0]])[0] == bytes([18]) * (10 * KiB)
+
+
+async def test_a_window_longer_than_one_lookup_comes_whole(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    # Rows are looked up a stretch of keys at a time; a window of several stretches, with
+    # repeats and memory hits among them, comes whole and in order.
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        await cache.get(KEYS[5])
+        keys = [KEYS[i % 6] for i in range(700)]
+        got = cache.get_ready_rows(keys)
+        assert len(got) == 700
+        for key, found in zip(keys, got, strict=True):
+            if key == KEYS[5]:
+                assert found == value(5)
+            else:
+                assert isinstance(found, DiskRow)
+                assert found.key == key
+        reader = cache.row_reader()
+        assert reader is not None
+        try:
+            read = await anyio.to_thread.run_sync(
+                lambda: [reader.read(row) for row in got[:12] if isinstance(row, DiskRow)]
+            )
+        finally:
+            reader.close()
+        assert read == [value(i % 6) for i in range(12) if i % 6 != 5]
