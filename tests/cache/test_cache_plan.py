@@ -151,6 +151,13 @@ def test_every_epoch_is_optimal_from_the_state_the_last_one_left(
         assert hits == belady_hits(resident + keys, capacity)
 
 
+# Operations of the randomized tests below: a piece of plan, a read of the next planned keys
+# (as a prefetcher makes them), a run of reads of any keys.
+PLAN_PIECE = st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8))
+READ_NEXT = st.tuples(st.just("next"), st.integers(1, 6))
+READ_RUN = st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5))
+
+
 def eager(tier: PlanTier) -> PlanTier:
     # The same tier, made to map every use from the start and never keep the plan as a list.
     assert tier._lazy
@@ -163,10 +170,10 @@ def eager(tier: PlanTier) -> PlanTier:
 @given(
     ops=st.lists(
         st.one_of(
-            st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8)),
-            st.tuples(st.just("next"), st.integers(1, 6)),  # read the next planned keys
+            PLAN_PIECE,
+            READ_NEXT,
             st.tuples(st.just("get"), st.sampled_from("abcdefg")),
-            st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5)),
+            READ_RUN,
             st.tuples(st.just("put"), st.sampled_from("abcdefg")),
         ),
         max_size=40,
@@ -199,13 +206,7 @@ def test_a_plan_kept_as_a_list_consumes_the_uses_a_mapped_one_does(
             assert mapped.put(str(arg), b"v" + str(arg).encode())
     if lazy._lazy:
         lazy._map()
-
-    def upcoming(tier: PlanTier) -> dict[str, list[int]]:
-        return {
-            key: [uses] if isinstance(uses, int) else list(uses) for key, uses in tier._uses.items()
-        }
-
-    assert upcoming(lazy) == upcoming(mapped)
+    assert upcoming_uses(lazy) == upcoming_uses(mapped)
     assert sorted(lazy.keys()) == sorted(mapped.keys())
 
 
@@ -396,9 +397,9 @@ def test_the_budget_and_the_pins_hold_through_every_switch_of_the_plan(
 @given(
     ops=st.lists(
         st.one_of(
-            st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8)),
-            st.tuples(st.just("next"), st.integers(1, 6)),  # read the next planned keys
-            st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5)),
+            PLAN_PIECE,
+            READ_NEXT,
+            READ_RUN,
             st.tuples(st.just("put"), st.tuples(st.sampled_from("abcdefg"), st.integers(1, 30))),
             st.tuples(st.just("pin"), st.sampled_from("abcdefg")),
             st.tuples(st.just("unpin"), st.sampled_from("abcdefg")),
