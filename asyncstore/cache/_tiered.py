@@ -223,7 +223,11 @@ class TieredCache(AsyncResource):
     ) -> list[bytes]:
         """The objects of the leading keys of ``keys[start:stop]`` that can be had without
         waiting, as :meth:`get_nowait` gives each, up to the first that cannot (or is not a
-        valid key): a run of warm reads for a fraction of a call each (the prefetcher's)."""
+        valid key): a run of warm reads for a fraction of a call each (the prefetcher's).
+
+        Raises:
+            InvalidArgument: ``start`` is not an int >= 0, or ``stop`` not an int or None.
+        """
         return cast("list[bytes]", self._ready(keys, start, stop, rows=False))
 
     def get_ready_rows(
@@ -261,6 +265,11 @@ class TieredCache(AsyncResource):
     def _ready(
         self, keys: Sequence[str], start: int, stop: int | None, *, rows: bool
     ) -> list[bytes | DiskRow]:
+        if not (type(start) is int and start >= 0 and (stop is None or type(stop) is int)):
+            raise InvalidArgument(
+                f"start={start!r}, stop={stop!r}: give positions in keys, start an int >= 0 "
+                "and stop an int or None (the end)"
+            )
         stop = len(keys) if stop is None else min(stop, len(keys))
         out: list[bytes | DiskRow] = []
         if self._state != "open" or self._validate != "none":

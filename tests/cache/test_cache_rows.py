@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
+from asyncstore import InvalidArgument
 from asyncstore.cache import DiskRow, RowPrefetcher, RowReader, TieredCache
 from asyncstore.cache._record import HEADER
 from asyncstore.cache._segments import SegmentReader
@@ -348,3 +349,17 @@ async def test_a_window_longer_than_one_lookup_comes_whole(
         finally:
             reader.close()
         assert read == [value(i % 6) for i in range(12) if i % 6 != 5]
+
+
+@pytest.mark.parametrize(
+    ("start", "stop"), [(-3, None), (-300, None), (1.5, None), (0, "5"), (True, None)]
+)
+async def test_a_window_given_by_positions_that_are_not_positions_is_refused(
+    source: CountingStore, tmp_path: Path, start: object, stop: object
+) -> None:
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        for ready in (cache.get_ready, cache.get_ready_rows):
+            with pytest.raises(InvalidArgument, match=r"start=.*stop=.*int >= 0"):
+                ready(KEYS, start, stop)  # type: ignore[arg-type]
+        assert len(cache.get_ready_rows(KEYS, 4, 100)) == 2  # past the end: up to it
