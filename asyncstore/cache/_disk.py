@@ -292,7 +292,12 @@ class DiskTier:
                     if (packed := kept.get(key)) is not None:
                         expected[key] = (packed >> 128, (packed >> 64) & _U64, packed & _U64)
                     elif key not in self._absent:
-                        names[self.name_for(key)] = key
+                        # A lone surrogate is no key, and has no entry. (A try costs nothing
+                        # here until it raises; suppress() would enter a context per key.)
+                        try:  # noqa: SIM105
+                            names[self.name_for(key)] = key
+                        except UnicodeEncodeError:
+                            pass
                 if names:
                     found = _index.find_many(self._rdb, list(names), HEADER.size, self.budget)
                     for name, row in found.items():

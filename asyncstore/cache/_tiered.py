@@ -50,8 +50,10 @@ T = TypeVar("T")
 _Loader = Callable[[], Awaitable[tuple[bytes, str | None]]]
 
 
-_RUN_KEYS = 256
-"""Keys a run of warm reads looks up at a time (one index query for its disk hits)."""
+_RUN_KEYS = 64
+"""Keys a run of warm reads looks up at a time (one index query for its disk hits), as
+many as a stretch of :meth:`DiskTier.expect`: keys found absent are taken as absent for a
+while (a hint), and a run should not take keys far beyond where it stops for absent."""
 
 
 class TieredCache(AsyncResource):

@@ -363,3 +363,19 @@ async def test_a_window_given_by_positions_that_are_not_positions_is_refused(
             with pytest.raises(InvalidArgument, match=r"start=.*stop=.*int >= 0"):
                 ready(KEYS, start, stop)  # type: ignore[arg-type]
         assert len(cache.get_ready_rows(KEYS, 4, 100)) == 2  # past the end: up to it
+
+
+async def test_a_key_that_cannot_be_encoded_ends_a_run_and_raises_nothing(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    # A lone surrogate is no key: the run stops before it wherever it falls, in the first
+    # stretch of lookups or a later one, for get_ready and get_ready_rows alike.
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        await cache.get(KEYS[0])
+        for at in (1, 5, 63, 64, 70, 130):
+            keys = [KEYS[i % 6] for i in range(at)] + ["obj/\ud800", KEYS[1]]
+            assert len(cache.get_ready_rows(keys)) == at
+            assert len(cache.get_ready(keys)) == at
+            with pytest.raises(InvalidArgument):
+                await cache.get("obj/\ud800")
