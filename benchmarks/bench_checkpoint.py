@@ -679,6 +679,8 @@ class Warnings(logging.Handler):
         self.seen: collections.Counter[str] = collections.Counter()
 
     def emit(self, record: logging.LogRecord) -> None:
+        # Shown as it comes too, as Python shows a warning no handler takes.
+        print(f"{record.levelname}: {record.name}: {record.getMessage()}", file=sys.stderr)
         self.seen[record.getMessage()] += 1
 
     def report(self, say: Say) -> None:
