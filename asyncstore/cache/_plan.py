@@ -218,39 +218,12 @@ class PlanTier:
         key's nearest planned use as :meth:`get` does: one call for a run of hits. The
         absent key's use is left for the read that fetches it. An unhashable key (no key at
         all) ends the run too."""
-        if self._lazy:
-            run = self._lazy_run(keys, start, stop)
-            start += len(run)
-            if self._lazy or start >= stop:
-                return run
-            return run + self.get_run(keys, start, stop)  # mapped at a read out of order
-        values, planned, pins, next_use = self._values, self._uses, self._pins, self._next
-        out: list[bytes] = []
-        try:
-            for index in range(start, stop):
-                key = keys[index]
-                value = values.get(key)
-                if value is None:
-                    break
-                if type(planned.get(key)) is int:  # its only planned use: the common case
-                    del planned[key]
-                    then = _NEVER
-                else:
-                    then = self._consume(key)
-                if key not in pins:
-                    if self._heap is None:
-                        next_use[key] = then
-                    else:
-                        self._schedule(key)
-                out.append(value)
-        except TypeError:
-            pass
-        return out
+        run = self._hits(keys, start, stop)
+        self.use_run(keys[start : start + len(run)])
+        return run
 
-    def _lazy_run(self, keys: Sequence[str], start: int, stop: int) -> list[bytes]:
-        # get_run while lazy, in C loops: the values up to the first absent, and one list
-        # comparison to tell that they follow the plan. Maps the uses at a read out of order,
-        # leaving that read (and those after it) to the caller.
+    def _hits(self, keys: Sequence[str], start: int, stop: int) -> list[bytes]:
+        # The values of keys[start:stop] up to the first absent or unhashable key, in C loops.
         got: list[bytes | None]
         try:
             got = list(map(self._values.get, keys[start:stop]))
@@ -263,18 +236,7 @@ class PlanTier:
                     break
         if None in got:
             del got[got.index(None) :]
-        run = cast("list[bytes]", got)
-        log, cursor = self._log, self._cursor
-        follow = min(len(run), len(log) - cursor)
-        if follow and log[cursor : cursor + follow] != keys[start : start + follow]:
-            # Out of order somewhere: take the reads that follow the plan one by one.
-            for count, key in enumerate(keys[start : start + len(run)]):
-                if not self._follows(key):
-                    self._map()
-                    return run[:count]
-            return run
-        self._cursor = cursor + follow
-        return run
+        return cast("list[bytes]", got)
 
     def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """The value of each of ``keys`` (``None`` where absent), consuming no planned use;

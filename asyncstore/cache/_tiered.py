@@ -257,10 +257,10 @@ class TieredCache(AsyncResource):
         self._mem_stats.misses += len(read)
         self._disk_stats.hits += len(read)
         self._disk_stats.bytes_served += sum(map(len, map(itemgetter(1), read)))
-        clears, generations, put = self._clears, self._generations, self._memory.put
+        clears, generations = self._clears, self._generations
         for row, data in read:
-            if row.generation == (clears, generations.get(row.key, 0)) and not put(row.key, data):
-                self._mem_stats.bypassed += 1
+            if row.generation == (clears, generations.get(row.key, 0)):
+                self._promote(row.key, data)
         if self._disk is not None:
             self._flush_touches_soon(self._disk)
 
@@ -291,9 +291,7 @@ class TieredCache(AsyncResource):
             if run and "\x00" in "".join(keys[start : start + len(run)]):
                 stop = start + next(i for i, key in enumerate(keys[start:]) if "\x00" in key)
                 run = run[: stop - start]
-            self._gets += len(run)
-            self._mem_stats.hits += len(run)
-            self._mem_stats.bytes_served += sum(map(len, run))
+            self._served_from_memory(run)
             out += run
             start += len(run)
             if start < stop and disk is not None and start >= ahead:  # one query a stretch
@@ -340,11 +338,14 @@ class TieredCache(AsyncResource):
         else:
             out = cast("list[bytes | DiskRow]", found)
         self._memory.use_run(keys[: len(out)])
-        hits = [value for value in found[: len(out)] if value is not None]
-        self._gets += len(hits)
-        self._mem_stats.hits += len(hits)
-        self._mem_stats.bytes_served += sum(map(len, hits))
+        self._served_from_memory([value for value in found[: len(out)] if value is not None])
         return out
+
+    def _served_from_memory(self, values: list[bytes]) -> None:
+        # Count ``values`` as gets the memory tier answered.
+        self._gets += len(values)
+        self._mem_stats.hits += len(values)
+        self._mem_stats.bytes_served += sum(map(len, values))
 
     def _ready_one(self, key: str, rows: bool = False) -> bytes | DiskRow | None:
         # Not in memory: queued for the disk tier, or in the page cache (``rows``: on the
