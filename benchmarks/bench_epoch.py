@@ -13,6 +13,16 @@ against the same DataLoader over the samples in a list in memory, read in a shuf
 (and, for reference, in its stored order). Same decode, same batches per worker, same
 collate (``torch.stack``, the DataLoader's default for tensors), same run.
 
+Each side's page faults a sample are counted too (this process and its workers): glibc's
+malloc gives the top of its heap back to the kernel once enough of it is free, and the
+next batch's tensor (``torch.stack``'s output, 3.2 MB here) then faults its pages in anew,
+a sample's worth of them being about 12 faults of 4 KiB. Whether a side's batches land
+there depends on the heap's layout, which differs from run to run and between the sides
+in one process: without workers, the ratio swings with it. ``--steady-heap`` fixes
+malloc's trim and mmap thresholds (``mallopt``, as the ``MALLOC_TRIM_THRESHOLD_`` and
+``MALLOC_MMAP_THRESHOLD_`` variables do) for both sides, which compares the samples' own
+handling; the default allocator's figures are the ones a job gets without such settings.
+
 Run ``python benchmarks/bench_epoch.py`` (``--write`` records the tables in
 docs/benchmarks.md). The machine is shared: rerun, and read ratios, not rates.
 """
@@ -20,6 +30,7 @@ docs/benchmarks.md). The machine is shared: rerun, and read ratios, not rates.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -167,11 +178,39 @@ def run_plan(count: int, repeats: int, say: Say) -> None:
 # -- warm epochs -------------------------------------------------------------------------------
 
 
-def timed(loader: DataLoader[object], expected: int) -> tuple[float, float]:
-    """Wall seconds and this process's CPU seconds (all its threads) for one epoch."""
-    cpu = time.process_time()
+def minor_faults() -> int:
+    """Minor page faults so far of this process and its children (the DataLoader's
+    workers), from /proc; 0 where there is none."""
+    total = 0
+    try:
+        pids = [str(os.getpid())]
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/children") as f:
+                pids += f.read().split()
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                total += int(f.read().rsplit(")", 1)[1].split()[7])  # minflt
+    except OSError:
+        pass  # no /proc, or a worker that just ended: counted as far as it went
+    return total
+
+
+def steady_heap() -> None:
+    """Fix glibc malloc's trim threshold (never give the heap's top back) and mmap
+    threshold (32 MiB, its most), as a job sets them with ``MALLOC_TRIM_THRESHOLD_`` and
+    ``MALLOC_MMAP_THRESHOLD_``; forked workers inherit them."""
+    libc = ctypes.CDLL(None)
+    m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+    if not (libc.mallopt(m_trim_threshold, 1 << 30) and libc.mallopt(m_mmap_threshold, 32 << 20)):
+        raise SystemExit("mallopt refused the thresholds: is this glibc?")
+
+
+def timed(loader: DataLoader[object], expected: int) -> tuple[float, float, int]:
+    """Wall seconds, this process's CPU seconds (all its threads) and the minor page faults
+    of this process and its workers, for one epoch."""
+    cpu, faults = time.process_time(), minor_faults()
     wall = epoch(loader, expected)  # type: ignore[arg-type]
-    return wall, time.process_time() - cpu
+    return wall, time.process_time() - cpu, minor_faults() - faults
 
 
 def run_warm(
@@ -205,15 +244,16 @@ def run_warm(
         "column): its samples lie in memory in the order they are read, which the shuffled "
         "orders of every dataset here forgo. Memory hits: the share of the timed epochs' "
         "reads the memory tiers answered. CPU: this process's CPU seconds per epoch, all "
-        "threads (with workers, the main process only)."
+        "threads (with workers, the main process only). Faults: minor page faults a "
+        "sample, this process and its workers, ours / the baseline's."
     )
     say()
     say(
         "| served from | num_workers | warm-up epochs | memory hits | warm samples/s "
         "| baseline samples/s | warm vs baseline | goal | CPU s per epoch | baseline CPU s "
-        "| CPU vs baseline | warm vs the list in stored order |"
+        "| CPU vs baseline | faults a sample | warm vs the list in stored order |"
     )
-    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    say("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     goals = {("disk", 0): 0.8, ("disk", 2): 0.95, ("memory", 0): 0.9, ("memory", 2): 0.9}
     for where, memory in (("disk", total // 3), ("memory", 2 * total)):
         for workers in workers_list:
@@ -254,13 +294,15 @@ def run_warm(
                 if ordered is not None:
                     in_order.append(epoch(ordered, objects))
             ds.close()
-            warm = objects / statistics.median(w for w, _ in ours)
-            base = objects / statistics.median(w for w, _ in theirs)
-            cpu = statistics.median(c for _, c in ours)
-            base_cpu = statistics.median(c for _, c in theirs)
+            warm = objects / statistics.median(w for w, _, _ in ours)
+            base = objects / statistics.median(w for w, _, _ in theirs)
+            cpu = statistics.median(c for _, c, _ in ours)
+            base_cpu = statistics.median(c for _, c, _ in theirs)
+            faults = statistics.median(f for _, _, f in ours) / objects
+            base_faults = statistics.median(f for _, _, f in theirs) / objects
             goal = goals.get((where, workers))
             versus_order = (
-                f"{statistics.median(in_order) / statistics.median(w for w, _ in ours):.2f}x"
+                f"{statistics.median(in_order) / statistics.median(w for w, _, _ in ours):.2f}x"
                 if in_order
                 else ""
             )
@@ -268,7 +310,7 @@ def run_warm(
                 f"| {where} | {workers} | {warmups} | {statistics.median(hits):.1%} "
                 f"| {warm:,.0f} | {base:,.0f} | {warm / base:.2f}x | "
                 f"{f'>= {goal:.2f}x' if goal else ''} | {cpu:.3f} | {base_cpu:.3f} | "
-                f"{cpu / base_cpu:.2f}x | {versus_order} |"
+                f"{cpu / base_cpu:.2f}x | {faults:.1f} / {base_faults:.1f} | {versus_order} |"
             )
     say()
 
@@ -287,6 +329,12 @@ def main() -> int:
         type=int,
         help="torch's intra-op threads in the main process for the warm epochs (its default "
         "if not given): the collate runs on them, on both sides",
+    )
+    parser.add_argument(
+        "--steady-heap",
+        action="store_true",
+        help="fix malloc's trim and mmap thresholds for the warm epochs, on both sides (see "
+        "the module's docstring)",
     )
     parser.add_argument("--write", action="store_true", help="record in docs/benchmarks.md")
     parser.add_argument("--plan-child", nargs=2, help=argparse.SUPPRESS)
@@ -308,7 +356,14 @@ def main() -> int:
     if not args.plan:
         if args.threads:
             torch.set_num_threads(args.threads)
-        say(f"Warm epochs with torch's intra-op pool at {torch.get_num_threads()} threads.")
+        if args.steady_heap:
+            steady_heap()
+        heap = (
+            "malloc's trim and mmap thresholds fixed (`--steady-heap`)"
+            if args.steady_heap
+            else "glibc's default malloc"
+        )
+        say(f"Warm epochs with torch's intra-op pool at {torch.get_num_threads()} threads, {heap}.")
         say()
         with tempfile.TemporaryDirectory(prefix="bench-epoch-") as tmp:
             run_warm(Path(tmp), args.objects, args.object_size, args.workers, args.repeats, say)
