@@ -108,6 +108,12 @@ class MemoryTier:
         self.used += size
         return True
 
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        """:meth:`put` each of ``items`` (key, value), in order; returns how many it
+        refused."""
+        put = self.put
+        return sum(not put(key, value) for key, value in items)
+
     def discard(self, key: str) -> None:
         """Remove ``key`` if present (pins stay: a pinned key re-inserted is pinned again)."""
         value = self._lru.pop(key, None)

@@ -283,13 +283,7 @@ class PlanTier:
     def put(self, key: str, value: bytes) -> bool:
         """Insert ``key`` unless it would be the first entry to be evicted; False if not."""
         size = len(value)
-        if (
-            not self._lazy
-            and self.used + size > self.budget
-            and key not in self._uses
-            and key not in self._values
-            and key not in self._pins
-        ):
+        if self._refused_at_once(key, size):
             # Not planned again, and no room: refused at once (see below), the common case of
             # a warm epoch's reads from the disk tier.
             self.bypassed += 1
@@ -358,6 +352,31 @@ class PlanTier:
         else:
             self._schedule(key)
         return True
+
+    def put_many(self, items: Iterable[tuple[str, bytes]]) -> int:
+        """:meth:`put` each of ``items`` (key, value), in order; returns how many it
+        refused. An entry refused at once (no room, not planned again: a warm epoch's
+        reads from the disk tier, most of them) costs a few lookups here, not a call."""
+        refused = at_once = 0
+        at_once_test, put = self._refused_at_once, self.put
+        for key, value in items:
+            if at_once_test(key, len(value)):
+                at_once += 1
+            elif not put(key, value):
+                refused += 1
+        self.bypassed += at_once
+        return refused + at_once
+
+    def _refused_at_once(self, key: str, size: int) -> bool:
+        # No room for ``size`` more bytes and ``key`` neither planned, held nor pinned: the
+        # entry would be the first to go (see put).
+        return (
+            not self._lazy
+            and self.used + size > self.budget
+            and key not in self._uses
+            and key not in self._values
+            and key not in self._pins
+        )
 
     def discard(self, key: str) -> None:
         """Remove ``key`` if present."""

@@ -258,9 +258,16 @@ class TieredCache(AsyncResource):
         self._disk_stats.hits += len(read)
         self._disk_stats.bytes_served += sum(map(len, map(itemgetter(1), read)))
         clears, generations = self._clears, self._generations
-        for row, data in read:
-            if row.generation == (clears, generations.get(row.key, 0)):
-                self._promote(row.key, data)
+        if generations:
+            kept = [
+                (row.key, data)
+                for row, data in read
+                if row.generation == (clears, generations.get(row.key, 0))
+            ]
+        else:  # no key forgotten since the last clear: one generation for all
+            fresh = (clears, 0)
+            kept = [(row.key, data) for row, data in read if row.generation == fresh]
+        self._mem_stats.bypassed += self._memory.put_many(kept)
         if self._disk is not None:
             self._flush_touches_soon(self._disk)
 
@@ -325,13 +332,14 @@ class TieredCache(AsyncResource):
                 return []  # _ready's loop stops at the first invalid key
             unwritten, inflight = self._writes.unwritten, self._inflight
             clears, generations = self._clears, self._generations
+            fresh = (clears, 0)  # the generation of a key never forgotten since the clear
             rows = iter(disk.rows_now(misses))
             for value in found:
                 if value is None:
                     row = next(rows)
                     if row is None or (key := row.key) in unwritten or key in inflight:
                         break
-                    row.generation = (clears, generations.get(key, 0))
+                    row.generation = (clears, generations[key]) if key in generations else fresh
                     out.append(row)
                 else:
                     out.append(value)

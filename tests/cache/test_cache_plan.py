@@ -156,6 +156,7 @@ def test_every_epoch_is_optimal_from_the_state_the_last_one_left(
 PLAN_PIECE = st.tuples(st.just("plan"), st.lists(st.sampled_from("abcdef"), max_size=8))
 READ_NEXT = st.tuples(st.just("next"), st.integers(1, 6))
 READ_RUN = st.tuples(st.just("run"), st.lists(st.sampled_from("abcdefg"), max_size=5))
+PUT = st.tuples(st.sampled_from("abcdefg"), st.integers(1, 30))  # a key and its size
 
 
 def eager(tier: PlanTier) -> PlanTier:
@@ -400,7 +401,8 @@ def test_the_budget_and_the_pins_hold_through_every_switch_of_the_plan(
             PLAN_PIECE,
             READ_NEXT,
             READ_RUN,
-            st.tuples(st.just("put"), st.tuples(st.sampled_from("abcdefg"), st.integers(1, 30))),
+            st.tuples(st.just("put"), PUT),
+            st.tuples(st.just("puts"), st.lists(PUT, max_size=6)),
             st.tuples(st.just("pin"), st.sampled_from("abcdefg")),
             st.tuples(st.just("unpin"), st.sampled_from("abcdefg")),
         ),
@@ -408,11 +410,12 @@ def test_the_budget_and_the_pins_hold_through_every_switch_of_the_plan(
     ),
     plan_tier=st.booleans(),
 )
-def test_a_run_of_reads_noted_at_once_is_a_get_per_key(
+def test_runs_noted_at_once_are_a_call_per_key(
     ops: list[tuple[str, object]], plan_tier: bool
 ) -> None:
-    # peek_many then use_run (the warm window's lookups) against a get() per key: the same
-    # values, then the same tier, decision for decision, whatever it evicts and refuses.
+    # peek_many then use_run (the warm window's lookups) against a get() per key, and
+    # put_many (the rows read and settled) against a put() per item: the same values and
+    # refusals, then the same tier, decision for decision, whatever it evicts and refuses.
     one, each = (PlanTier(60), PlanTier(60)) if plan_tier else (MemoryTier(60), MemoryTier(60))
     planned: list[str] = []
     for op, arg in ops:
@@ -436,6 +439,10 @@ def test_a_run_of_reads_noted_at_once_is_a_get_per_key(
             assert isinstance(arg, tuple)
             key, size = arg
             assert one.put(key, key.encode() * size) == each.put(key, key.encode() * size)
+        elif op == "puts":
+            assert isinstance(arg, list)
+            items = [(key, key.encode() * size) for key, size in arg]
+            assert one.put_many(items) == sum(not each.put(key, value) for key, value in items)
         elif op == "pin":
             one.pin([str(arg)])
             each.pin([str(arg)])
@@ -443,7 +450,7 @@ def test_a_run_of_reads_noted_at_once_is_a_get_per_key(
             one.unpin([str(arg)])
             each.unpin([str(arg)])
         assert sorted(one.keys()) == sorted(each.keys())
-        assert one.used == each.used
+        assert (one.used, one.bypassed) == (each.used, each.bypassed)
         if isinstance(one, PlanTier) and isinstance(each, PlanTier):
             assert upcoming_uses(one) == upcoming_uses(each)
             if not one._lazy:  # each entry's next use, which chooses the next victim

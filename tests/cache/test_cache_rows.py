@@ -201,6 +201,33 @@ async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
         assert [key for key, _, _ in source.gets] == [KEYS[1]]
 
 
+async def test_bytes_of_a_key_forgotten_before_its_row_was_found_are_kept(
+    source: CountingStore, tmp_path: Path
+) -> None:
+    # Forgotten, then fetched anew and found as a row: its bytes are the current ones.
+    await warm(source, tmp_path)
+    async with TieredCache(
+        source, memory_bytes=15 * KiB, disk_dir=tmp_path, disk_bytes=1 << 20
+    ) as cache:
+        await cache.invalidate(KEYS[1])
+        assert await cache.get(KEYS[1]) == value(1)  # fetched anew, then written to disk
+        await cache.flush()
+        assert await cache.get(KEYS[2]) == value(2)  # the memory tier's one entry now
+        (row,) = cache.get_ready_rows(KEYS[1:2])
+        assert isinstance(row, DiskRow)
+        reader = cache.row_reader()
+        assert reader is not None
+        try:
+            data = reader.read(row)
+        finally:
+            reader.close()
+        assert data == value(1)
+        cache.settle([(row, data)])
+        hits = cache.stats().memory.hits
+        assert cache.get_ready_rows(KEYS[1:2]) == [value(1)]  # promoted: bytes, not a row
+        assert cache.stats().memory.hits == hits + 1
+
+
 async def test_a_forked_child_closes_the_readers_descriptors(
     source: CountingStore, tmp_path: Path
 ) -> None:
