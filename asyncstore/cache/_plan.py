@@ -288,6 +288,10 @@ class PlanTier:
             # a warm epoch's reads from the disk tier.
             self.bypassed += 1
             return False
+        return self._insert(key, value, size)
+
+    def _insert(self, key: str, value: bytes, size: int) -> bool:
+        # put() for an entry not refused at once.
         self.discard(key)
         pinned = key in self._pins
         if self.pinned_used + size > self.budget:
@@ -358,11 +362,12 @@ class PlanTier:
         refused. An entry refused at once (no room, not planned again: a warm epoch's
         reads from the disk tier, most of them) costs a few lookups here, not a call."""
         refused = at_once = 0
-        at_once_test, put = self._refused_at_once, self.put
+        at_once_test, insert = self._refused_at_once, self._insert
         for key, value in items:
-            if at_once_test(key, len(value)):
+            size = len(value)
+            if at_once_test(key, size):
                 at_once += 1
-            elif not put(key, value):
+            elif not insert(key, value, size):
                 refused += 1
         self.bypassed += at_once
         return refused + at_once

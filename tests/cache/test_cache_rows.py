@@ -45,6 +45,16 @@ def cold_cache(source: CountingStore, directory: Path) -> TieredCache:
     return TieredCache(source, memory_bytes=100 * KiB, disk_dir=directory, disk_bytes=1 << 20)
 
 
+async def read_rows(cache: TieredCache, rows: list[DiskRow]) -> list[bytes | None]:
+    """``rows`` read on another thread, as a consumer's, through a reader closed after."""
+    reader = cache.row_reader()
+    assert reader is not None
+    try:
+        return await anyio.to_thread.run_sync(lambda: [reader.read(row) for row in rows])
+    finally:
+        reader.close()
+
+
 @contextlib.asynccontextmanager
 async def warm_rows(
     source: CountingStore, directory: Path, keys: list[str] = KEYS
@@ -215,12 +225,7 @@ async def test_bytes_of_a_key_forgotten_before_its_row_was_found_are_kept(
         assert await cache.get(KEYS[2]) == value(2)  # the memory tier's one entry now
         (row,) = cache.get_ready_rows(KEYS[1:2])
         assert isinstance(row, DiskRow)
-        reader = cache.row_reader()
-        assert reader is not None
-        try:
-            data = reader.read(row)
-        finally:
-            reader.close()
+        (data,) = await read_rows(cache, [row])
         assert data == value(1)
         cache.settle([(row, data)])
         hits = cache.stats().memory.hits
@@ -367,14 +372,7 @@ async def test_a_window_longer_than_one_lookup_comes_whole(
             else:
                 assert isinstance(found, DiskRow)
                 assert found.key == key
-        reader = cache.row_reader()
-        assert reader is not None
-        try:
-            read = await anyio.to_thread.run_sync(
-                lambda: [reader.read(row) for row in got[:12] if isinstance(row, DiskRow)]
-            )
-        finally:
-            reader.close()
+        read = await read_rows(cache, [row for row in got[:12] if isinstance(row, DiskRow)])
         assert read == [value(i % 6) for i in range(12) if i % 6 != 5]
 
 
