@@ -672,6 +672,8 @@ class TieredCache(AsyncResource):
             await self._writes.settle()
             # A read meanwhile may find the entry on disk and keep it in memory: forget again.
             await self._disk_call(self._disk.remove, key)
+            # A row found meanwhile points at the entry removed: its bytes are not kept either.
+            self._generations[key] += 1
 
     async def flush(self) -> None:
         """Write the entries still on their way to the disk tier, and return once they

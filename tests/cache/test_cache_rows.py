@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 
 from asyncstore import InvalidArgument
 from asyncstore.cache import DiskRow, RowPrefetcher, RowReader, TieredCache
+from asyncstore.cache._disk import DiskTier
 from asyncstore.cache._record import HEADER
 from asyncstore.cache._segments import SegmentReader
 
@@ -206,6 +208,37 @@ async def test_bytes_of_a_key_forgotten_since_its_row_was_found_are_not_kept(
         else:
             await cache.clear()
         cache.settle([(rows[1], old)])
+        source.gets.clear()
+        assert await cache.get(KEYS[1]) == b"new"  # not the old bytes, kept after all
+        assert [key for key, _, _ in source.gets] == [KEYS[1]]
+
+
+async def test_bytes_of_a_row_found_while_its_key_is_invalidated_are_not_kept(
+    source: CountingStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The entry's removal is held until the row is found: a row found then points at the
+    # old entry, although the key's first forgetting came before.
+    entered, release = threading.Event(), threading.Event()
+    remove = DiskTier.remove
+
+    def held_remove(self: DiskTier, key: str) -> None:
+        entered.set()
+        release.wait(10)
+        remove(self, key)
+
+    monkeypatch.setattr(DiskTier, "remove", held_remove)
+    await warm(source, tmp_path)
+    async with cold_cache(source, tmp_path) as cache:
+        await source.put(KEYS[1], b"new")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(cache.invalidate, KEYS[1])
+            assert await anyio.to_thread.run_sync(entered.wait, 10)
+            (row,) = cache.get_ready_rows(KEYS[1:2])
+            assert isinstance(row, DiskRow)
+            (old,) = await read_rows(cache, [row])
+            assert old == value(1)
+            release.set()
+        cache.settle([(row, old)])
         source.gets.clear()
         assert await cache.get(KEYS[1]) == b"new"  # not the old bytes, kept after all
         assert [key for key, _, _ in source.gets] == [KEYS[1]]
