@@ -330,24 +330,39 @@ class TieredCache(AsyncResource):
                 check_key_list(misses, self._store.url)
             except InvalidArgument:
                 return []  # _ready's loop stops at the first invalid key
+            rows = disk.rows_now(misses)
+            if None in rows:
+                rows = rows[: rows.index(None)]
             unwritten, inflight = self._writes.unwritten, self._inflight
-            clears, generations = self._clears, self._generations
-            fresh = (clears, 0)  # the generation of a key never forgotten since the clear
-            rows = iter(disk.rows_now(misses))
-            for value in found:
-                if value is None:
-                    row = next(rows)
-                    if row is None or (key := row.key) in unwritten or key in inflight:
+            if unwritten or inflight:  # none in a warm epoch: no look per row then
+                for count, row in enumerate(cast("list[DiskRow]", rows)):
+                    if row.key in unwritten or row.key in inflight:
+                        rows = rows[:count]
                         break
-                    row.generation = (clears, generations[key]) if key in generations else fresh
-                    out.append(row)
-                else:
-                    out.append(value)
+            self._stamp(cast("list[DiskRow]", rows))
+            taken = iter(rows)
+            for value in found:
+                item = next(taken, None) if value is None else value
+                if item is None:  # the first key without a row
+                    break
+                out.append(item)
         else:
             out = cast("list[bytes | DiskRow]", found)
         self._memory.use_run(keys[: len(out)])
         self._served_from_memory([value for value in found[: len(out)] if value is not None])
         return out
+
+    def _stamp(self, rows: list[DiskRow]) -> None:
+        # Set the generation of the rows found for the first time: what the cache knows of
+        # their keys now. A row the disk tier kept from an earlier find keeps its own, so
+        # settle refuses its bytes if its key was forgotten since then, even while the row
+        # is found again before the disk tier drops it (an invalidate under way).
+        clears, generations = self._clears, self._generations
+        fresh = (clears, 0)  # the generation of a key never forgotten since the clear
+        for row in rows:
+            if row.generation is None:
+                key = row.key
+                row.generation = (clears, generations[key]) if key in generations else fresh
 
     def _served_from_memory(self, values: list[bytes]) -> None:
         # Count ``values`` as gets the memory tier answered.
@@ -373,7 +388,7 @@ class TieredCache(AsyncResource):
         if rows:
             row = None if self._disk is None else self._disk.row_now(key)
             if row is not None:
-                row.generation = (self._clears, self._generations.get(key, 0))
+                self._stamp([row])
             return row
         data = self._disk_now(key)
         if data is not None:
@@ -696,6 +711,7 @@ class TieredCache(AsyncResource):
         if self._disk is not None:
             await self._writes.settle()
             await self._disk_call(self._disk.clear)
+            self._clears += 1  # nor rows found meanwhile, which point at the entries cleared
 
     def stats(self) -> CacheStats:
         """A snapshot of the cache's counters."""

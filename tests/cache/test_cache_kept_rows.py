@@ -110,6 +110,38 @@ def test_a_row_removed_since_is_not_served(
     assert asked, "the kept rows were used after an entry was removed"
 
 
+def test_rows_found_again_are_the_ones_kept_until_an_entry_is_removed(
+    tiers: tuple[DiskTier, DiskTier], asked: list[int]
+) -> None:
+    reader, writer = tiers
+    keys = [f"k/{i}" for i in range(6)]
+    writer.write_many([(key, value(key, 0), None) for key in keys[:4]])
+    first = reader.rows_now(keys)
+    assert [row.key if row else None for row in first] == [*keys[:4], None, None]
+    assert asked == [6]
+    asked.clear()
+    again = reader.rows_now(keys[1:4])
+    assert asked == []  # nothing asked: the rows kept
+    assert all(row is kept for row, kept in zip(again, first[1:4], strict=True))
+    writer.write("k/4", value("k/4", 0), None)  # an insert removes nothing
+    reader._absent_until = 0.0  # absent keys are asked for again after a while
+    kept, new = reader.rows_now(keys[3:5])
+    assert asked == [1]  # only the key not kept
+    assert kept is first[3]
+    assert new is not None
+    assert new.key == "k/4"
+    writer.write("k/0", value("k/0", 1), None)  # replaced: a removal
+    asked.clear()
+    replaced, other = reader.rows_now(keys[:2])
+    assert asked == [2]  # every row kept before is dropped
+    assert replaced is not None
+    assert replaced is not first[0]
+    assert reader.read(keys[0]) == (value("k/0", 1), None)
+    assert other is not None
+    assert other is not first[1]
+    assert other.key == "k/1"
+
+
 def test_an_index_made_anew_is_not_taken_for_the_one_the_rows_came_from(
     tiers: tuple[DiskTier, DiskTier], asked: list[int], tmp_path: Path
 ) -> None:
