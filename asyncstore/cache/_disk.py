@@ -90,7 +90,7 @@ RECLAIM_INTERVAL = 1.0
 past a segment's recorded end, and segment files the index does not know."""
 # How long expect() takes a key it found without an entry as still without one.
 _ABSENT_SECONDS = 1.0
-# Rows kept at most, a process: about 160 bytes each besides the keys, which the plan holds
+# Rows kept at most, a process: about 165 bytes each besides the keys, which the plan holds
 # anyway (measured: 83 MiB for 2**19). Keys past it are asked for at every stretch.
 _KEPT_ROWS = 1 << 19
 # Index lock waits: other processes hold it only for one batch's transaction.
