@@ -281,18 +281,26 @@ class DiskTier:
     def _lookup(self, wanted: list[str]) -> dict[str, DiskRow | None]:
         # expect()'s lookup of ``wanted``: each key's row, None where it has no entry; empty
         # when the query failed (each read then asks on its own, and reports a damaged row).
-        expected: dict[str, DiskRow | None] = dict.fromkeys(wanted)
         if not wanted:
-            return expected
+            return {}
         try:
-            with self._read_lock:
-                kept = self._kept_rows()
-                for key in wanted:
-                    expected[key] = kept.get(key)
-                self._find(expected, [key for key in wanted if expected[key] is None], kept)
+            return dict(zip(wanted, self._rows(wanted), strict=True))
         except (sqlite3.Error, IntegrityError):
             return {}
-        return expected
+
+    def _rows(self, keys: list[str]) -> list[DiskRow | None]:
+        # Each key's row: the one kept, else asked for (all such keys in one query).
+        #
+        # Raises: sqlite3.Error, IntegrityError (a damaged row).
+        with self._read_lock:
+            kept = self._kept_rows()
+            rows: list[DiskRow | None] = list(map(kept.get, keys))
+            if None in rows:  # not all kept: the rest asked for, in one query
+                pairs = list(zip(keys, rows, strict=True))
+                found: dict[str, DiskRow | None] = {}
+                self._find(found, [key for key, row in pairs if row is None], kept)
+                rows = [found.get(key) if row is None else row for key, row in pairs]
+        return rows
 
     def _find(
         self, found: dict[str, DiskRow | None], keys: list[str], kept: dict[str, DiskRow]
@@ -341,17 +349,9 @@ class DiskTier:
         if not self._nowait:
             return [None] * len(keys)
         try:
-            with self._read_lock:
-                kept = self._kept_rows()
-                rows: list[DiskRow | None] = list(map(kept.get, keys))
-                if None in rows:  # not all kept: the rest asked for, in one query
-                    pairs = list(zip(keys, rows, strict=True))
-                    found: dict[str, DiskRow | None] = {}
-                    self._find(found, [key for key, row in pairs if row is None], kept)
-                    rows = [found.get(key) if row is None else row for key, row in pairs]
+            return self._rows(keys)
         except (sqlite3.Error, IntegrityError):
             return [None] * len(keys)
-        return rows
 
     def _kept_rows(self) -> dict[str, DiskRow]:
         # The rows kept from earlier lookups, if no entry was removed since; else none (and
