@@ -257,7 +257,10 @@ def test_mid_epoch_records_follow_the_interval(
     next(batches), next(batches)
     mid = Workers(asyncstore.metrics.snapshot(), ds)
     # Each worker published after its first trip, before its first batch: its figures show.
-    assert COUNT + 2 * BATCH <= mid.samples < 2 * COUNT
+    # Neither iteration can have ended (each worker was asked for 3 of its 5 batches), so
+    # these are mid-epoch records. A first trip may take a worker's whole shard (every
+    # fetch done by then, on a loaded machine): up to 2 * COUNT.
+    assert COUNT + 2 * BATCH <= mid.samples <= 2 * COUNT
     assert sum(map(len, batches)) == COUNT - 2 * BATCH
     assert Workers(asyncstore.metrics.snapshot(), ds).samples == 2 * COUNT
 
